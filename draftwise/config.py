@@ -1,0 +1,213 @@
+"""Configuration dataclasses: the target architecture, the engine, speculation."""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+SUPPORTED_METHODS = ("eagle3", "dflash", "ngram")
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
+          "fp16": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+
+
+def _rope_fields(d: dict) -> tuple[float, dict | None]:
+    """Read rope_theta / rope_scaling in both the old (top-level) and the transformers>=5
+    (`rope_parameters`) styles."""
+    params = d.get("rope_parameters") or {}
+    theta = d.get("rope_theta", params.get("rope_theta", 10000.0))
+    scaling = d.get("rope_scaling")
+    if scaling is None and params.get("rope_type", "default") not in ("default", None):
+        scaling = dict(params)
+    if scaling is not None:
+        scaling = dict(scaling)
+        scaling.setdefault("rope_type", scaling.get("type", "default"))
+        if scaling["rope_type"] == "default":
+            scaling = None
+    return float(theta), scaling
+
+
+@dataclass
+class ModelConfig:
+    """Architecture of a decoder-only transformer (Llama family or Qwen3)."""
+    architecture: str = "llama"          # "llama" | "qwen3"
+    vocab_size: int = 32000
+    hidden_size: int = 64
+    intermediate_size: int = 128
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 4
+    head_dim: int = 16
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 2048
+    attention_bias: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def qk_norm(self) -> bool:
+        return self.architecture == "qwen3"
+
+    @classmethod
+    def from_hf_dict(cls, d: dict) -> "ModelConfig":
+        archs = d.get("architectures") or []
+        model_type = d.get("model_type", "llama")
+        arch = "qwen3" if (model_type == "qwen3" or any("Qwen3" in a for a in archs)) else "llama"
+        heads = d["num_attention_heads"]
+        eos = d.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+        theta, scaling = _rope_fields(d)
+        return cls(
+            architecture=arch,
+            vocab_size=d["vocab_size"],
+            hidden_size=d["hidden_size"],
+            intermediate_size=d["intermediate_size"],
+            num_hidden_layers=d["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=d.get("num_key_value_heads") or heads,
+            head_dim=d.get("head_dim") or d["hidden_size"] // heads,
+            rms_norm_eps=d.get("rms_norm_eps", 1e-6),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            tie_word_embeddings=d.get("tie_word_embeddings", False),
+            max_position_embeddings=d.get("max_position_embeddings", 2048),
+            attention_bias=d.get("attention_bias", False),
+            bos_token_id=d.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+            extra=d,
+        )
+
+    def to_hf_dict(self) -> dict:
+        d = dict(self.extra)
+        d.update({
+            "architectures": ["Qwen3ForCausalLM" if self.architecture == "qwen3" else "LlamaForCausalLM"],
+            "model_type": self.architecture,
+            "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size, "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads, "head_dim": self.head_dim,
+            "rms_norm_eps": self.rms_norm_eps, "rope_theta": self.rope_theta,
+            "rope_scaling": self.rope_scaling, "tie_word_embeddings": self.tie_word_embeddings,
+            "max_position_embeddings": self.max_position_embeddings,
+            "attention_bias": self.attention_bias, "bos_token_id": self.bos_token_id,
+            "eos_token_id": list(self.eos_token_ids) if len(self.eos_token_ids) != 1 else self.eos_token_ids[0],
+        })
+        return d
+
+
+@dataclass
+class SpeculativeConfig:
+    method: str
+    model: str | None = None
+    num_speculative_tokens: int | None = None
+    # tree drafting (EAGLE-3 heads): topk 1 == chain
+    eagle_topk: int = 1
+    eagle_depth: int | None = None
+    # n-gram
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 4
+    # "fused": greedy rejection inside the target forward when every request is greedy;
+    # "logits": always return logits and run the probabilistic sampler.
+    rejection_sampler: str = "fused"
+    # choose per step how many tokens to speculate from measured step costs (issue 8)
+    adaptive: bool = False
+
+    @classmethod
+    def from_any(cls, spec: Any) -> "SpeculativeConfig | None":
+        if spec is None:
+            return None
+        if isinstance(spec, SpeculativeConfig):
+            spec.validate_basic()
+            return spec
+        if isinstance(spec, str):
+            try:
+                spec = json.loads(spec)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config is not valid JSON: {e}") from None
+        if not isinstance(spec, dict):
+            raise ValueError(f"speculative_config must be a dict or JSON object, got {type(spec).__name__}")
+        known = set(cls.__dataclass_fields__)
+        unknown = set(spec) - known
+        if unknown:
+            raise ValueError(f"speculative_config has unknown keys {sorted(unknown)}; known keys: {sorted(known)}")
+        if "method" not in spec:
+            raise ValueError("speculative_config needs a 'method' (one of " + ", ".join(SUPPORTED_METHODS) + ")")
+        cfg = cls(**spec)
+        cfg.validate_basic()
+        return cfg
+
+    def validate_basic(self) -> None:
+        if self.method not in SUPPORTED_METHODS:
+            raise ValueError(f"unknown speculative method {self.method!r}; supported: {', '.join(SUPPORTED_METHODS)}")
+        k = self.num_speculative_tokens
+        if k is not None and (not isinstance(k, int) or isinstance(k, bool) or k < 1):
+            raise ValueError(f"num_speculative_tokens must be an integer >= 1, got {k!r}")
+        if self.method != "dflash" and k is None:
+            raise ValueError(f"speculative method {self.method!r} needs num_speculative_tokens")
+        if self.rejection_sampler not in ("fused", "logits"):
+            raise ValueError(f"rejection_sampler must be 'fused' or 'logits', got {self.rejection_sampler!r}")
+        if not isinstance(self.eagle_topk, int) or self.eagle_topk < 1:
+            raise ValueError(f"eagle_topk must be an integer >= 1, got {self.eagle_topk!r}")
+        if self.eagle_depth is not None and (not isinstance(self.eagle_depth, int) or self.eagle_depth < 1):
+            raise ValueError(f"eagle_depth must be an integer >= 1, got {self.eagle_depth!r}")
+        if self.eagle_topk > 1 and self.method != "eagle3":
+            raise ValueError("tree drafting (eagle_topk > 1) is available with method 'eagle3' only")
+        if self.method == "ngram":
+            if not (1 <= self.prompt_lookup_min <= self.prompt_lookup_max):
+                raise ValueError("ngram needs 1 <= prompt_lookup_min <= prompt_lookup_max, got "
+                                 f"{self.prompt_lookup_min}, {self.prompt_lookup_max}")
+        if self.eagle_topk > 1:
+            depth = self.eagle_depth or k
+            capacity = self.eagle_topk + (depth - 1) * self.eagle_topk * self.eagle_topk
+            if k > capacity:
+                raise ValueError(f"num_speculative_tokens={k} exceeds what a tree of eagle_topk="
+                                 f"{self.eagle_topk}, eagle_depth={depth} can hold ({capacity} nodes)")
+
+    @property
+    def is_tree(self) -> bool:
+        return self.method == "eagle3" and self.eagle_topk > 1
+
+
+@dataclass
+class EngineConfig:
+    model: str
+    max_model_len: int = 2048
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int = 1024
+    block_size: int = 16
+    num_kv_blocks: int | None = None      # None: enough for max_num_seqs * max_model_len
+    dtype: str = "float32"
+    device: str = "cpu"
+    seed: int = 0
+    enforce_eager: bool = True
+    compile_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
+    speculative_config: SpeculativeConfig | None = None
+    quantization: str | None = None       # None | "int8" | "int4"
+
+    def __post_init__(self):
+        if self.dtype not in DTYPES:
+            raise ValueError(f"unknown dtype {self.dtype!r}; choose one of {sorted(DTYPES)}")
+        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if self.quantization not in (None, "int8", "int4"):
+            raise ValueError(f"quantization must be None, 'int8' or 'int4', got {self.quantization!r}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+
+def cache_dir() -> str:
+    d = os.environ.get("DRAFTWISE_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "draftwise"))
+    os.makedirs(d, exist_ok=True)
+    return d

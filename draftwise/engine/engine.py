@@ -1,0 +1,195 @@
+"""LLMEngine: owns the scheduler, the model runner and the tokenizer; `step()` advances every
+running request by one (speculative) step and reports what changed."""
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import time
+
+import torch
+
+from draftwise.config import EngineConfig, SpeculativeConfig
+from draftwise.engine.request import Request
+from draftwise.engine.scheduler import Scheduler
+from draftwise.models.loader import load_target_model, load_tokenizer
+from draftwise.outputs import CompletionOutput, RequestOutput
+from draftwise.sampling_params import SamplingParams
+from draftwise.spec_decode.metrics import SpecDecodingStats
+from draftwise.worker.model_runner import ModelRunner
+
+logger = logging.getLogger("draftwise")
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        torch.manual_seed(config.seed)
+        self.model, self.model_cfg, self.model_path = load_target_model(
+            config.model, config.torch_dtype, config.device,
+            max_position=config.max_model_len + 256)
+        if config.quantization:
+            from draftwise.layers.quant import quantize_model
+            quantize_model(self.model, config.quantization)
+        self.tokenizer = load_tokenizer(self.model_path)
+        self.eos_token_ids = tuple(self.model_cfg.eos_token_ids)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None \
+                and self.tokenizer.eos_token_id not in self.eos_token_ids:
+            self.eos_token_ids += (self.tokenizer.eos_token_id,)
+        self.spec_config: SpeculativeConfig | None = config.speculative_config
+        self.proposer = None
+        self.num_spec_tokens = 0
+        if self.spec_config is not None:
+            from draftwise.spec_decode.factory import build_proposer
+            self.proposer = build_proposer(self.spec_config, self.model, self.model_cfg, config,
+                                           self.model_path)
+            self.num_spec_tokens = self.spec_config.num_speculative_tokens
+        lookahead = self.proposer.num_lookahead_tokens if self.proposer else 0
+        blocks_per_seq = math.ceil((config.max_model_len + lookahead + 1) / config.block_size)
+        num_blocks = config.num_kv_blocks or blocks_per_seq * config.max_num_seqs
+        self.runner = ModelRunner(config, self.model, self.model_cfg, self.proposer, num_blocks)
+        self.scheduler = Scheduler(config, num_blocks, lookahead)
+        self.spec_stats = SpecDecodingStats()
+        self.requests: dict[str, Request] = {}
+        self._ids = itertools.count()
+        self.policy = None
+        if self.spec_config is not None and self.spec_config.adaptive:
+            from draftwise.spec_decode.policy import SpeculationPolicy
+            self.policy = SpeculationPolicy(self.num_spec_tokens)
+        self.num_steps = 0
+
+    # --- requests ----------------------------------------------------------------------------------
+    def tokenize_prompt(self, prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                ids = prompt["prompt_token_ids"]
+                if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
+                    raise ValueError("prompt_token_ids must be a list of integers")
+                return prompt.get("prompt"), list(ids)
+            if "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError("a dict prompt needs 'prompt_token_ids' or 'prompt'")
+        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            return None, list(prompt)
+        if not isinstance(prompt, str):
+            raise ValueError(f"a prompt must be a string or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}")
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer: pass {'prompt_token_ids': [...]}")
+        return prompt, self.tokenizer(prompt, add_special_tokens=False).input_ids
+
+    def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
+        text, ids = self.tokenize_prompt(prompt)
+        if not ids:
+            raise ValueError("the prompt is empty")
+        if len(ids) >= self.config.max_model_len:
+            raise ValueError(f"prompt is {len(ids)} tokens, longer than max_model_len={self.config.max_model_len} "
+                             "allows (it must leave room for at least one new token)")
+        vocab = self.model_cfg.vocab_size
+        if any(t < 0 or t >= vocab for t in ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        rid = request_id if request_id is not None else str(next(self._ids))
+        if rid in self.requests:
+            raise ValueError(f"request id {rid!r} is already in use")
+        req = Request(rid, ids, params, text, self.eos_token_ids)
+        self.requests[rid] = req
+        self.scheduler.add(req)
+        return rid
+
+    def abort_request(self, request_id: str) -> None:
+        req = self.requests.pop(request_id, None)
+        if req is not None and not req.is_finished:
+            self.scheduler.finish(req, "abort")
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # --- one step ------------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        if not sched.scheduled:
+            if self.scheduler.running or self.scheduler.waiting:
+                if not self.scheduler.running and self.scheduler.waiting:
+                    raise RuntimeError("the KV pool cannot hold the next waiting request")
+            return []
+        step = self.runner.execute(sched)
+        t0 = time.perf_counter()
+        outputs = []
+        now = time.time()
+        for s, new, acc in zip(sched.scheduled, step.new_token_ids, step.num_accepted):
+            req = s.request
+            if not new:
+                continue
+            if req.metrics.first_token_time is None:
+                req.metrics.first_token_time = now
+            if s.num_draft_tokens:
+                self.spec_stats.observe(s.num_draft_tokens, acc)
+                _observe_request(req, s.num_draft_tokens, acc)
+            appended = self.scheduler.update(s, new, acc)
+            new_text = self._detokenize(req)
+            if req.is_finished:
+                req.metrics.finished_time = now
+            outputs.append(self._make_output(req, appended, new_text))
+        if self.policy is not None:
+            self.policy.observe(sched, step, self.runner.timer)
+        k = self.num_spec_tokens if self.policy is None else self.policy.choose(len(self.scheduler.running))
+        t1 = time.perf_counter()
+        drafts = self.runner.propose(step, k)
+        for s, d in zip(sched.scheduled, drafts):
+            if not s.request.is_finished and d:
+                if isinstance(d, list):
+                    s.request.spec_token_ids = d
+                else:                       # a TreeDraft
+                    s.request.spec_tree = d
+        self.runner.timer.add("bookkeeping", t1 - t0)
+        self.num_steps += 1
+        for o in outputs:
+            if o.finished:
+                self.requests.pop(o.request_id, None)
+        return outputs
+
+    def _detokenize(self, req: Request) -> str:
+        if self.tokenizer is None:
+            return ""
+        old = req.text
+        text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=True)
+        if req.params.stop:
+            search_from = max(0, len(old) - max(len(s) for s in req.params.stop))
+            hits = [i for i in (text.find(s, search_from) for s in req.params.stop) if i >= 0]
+            if hits:
+                text = text[:min(hits)]
+                if req.is_finished:
+                    req.finish_reason = "stop"
+                else:
+                    self.scheduler.finish(req, "stop")
+        req.text = text
+        return text[len(old):] if text.startswith(old) else text
+
+    def _make_output(self, req: Request, new_ids: list[int], new_text: str) -> RequestOutput:
+        comp = CompletionOutput(0, req.text, list(req.output_token_ids), req.finish_reason)
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [comp], req.is_finished,
+                             req.metrics, new_ids, new_text)
+
+    # --- stats ----------------------------------------------------------------------------------------
+    def get_metrics(self) -> dict:
+        d = {"spec_decode": self.spec_stats.as_dict(),
+             "kv_blocks_used": self.scheduler.allocator.num_used,
+             "kv_blocks_total": self.scheduler.allocator.num_blocks,
+             "num_running": len(self.scheduler.running), "num_waiting": len(self.scheduler.waiting),
+             "num_steps": self.num_steps,
+             "step_time_s": dict(self.runner.timer.totals)}
+        return d
+
+
+def _observe_request(req: Request, num_draft: int, num_accepted: int) -> None:
+    m = req.metrics
+    m.num_drafts += 1
+    m.num_draft_tokens += num_draft
+    m.num_accepted_tokens += num_accepted
+    if len(m.accepted_per_position) < num_draft:
+        m.accepted_per_position += [0] * (num_draft - len(m.accepted_per_position))
+    for i in range(num_accepted):
+        m.accepted_per_position[i] += 1

@@ -1,0 +1,70 @@
+"""The paged KV cache: one pool of fixed-size blocks shared by the target's layers
+(`layers.0 … layers.N-1`) and the drafter's layers (`layers.N …`), and the block allocator.
+
+Layers with the same (num_kv_heads, head_dim) share one tensor; every layer is addressed by the
+same slots: `slot = block_table[pos // block_size] * block_size + pos % block_size`.
+"""
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+
+
+class KVCache:
+    def __init__(self, num_blocks: int, block_size: int, layer_specs: list[tuple[int, int]],
+                 dtype: torch.dtype, device: str | torch.device):
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.num_slots = num_blocks * block_size
+        self.layer_specs = list(layer_specs)
+        self._layers: list[tuple[torch.Tensor, torch.Tensor]] = []
+        groups: dict[tuple[int, int], list[int]] = {}
+        for i, spec in enumerate(self.layer_specs):
+            groups.setdefault(spec, []).append(i)
+        self._layers = [None] * len(self.layer_specs)  # type: ignore[list-item]
+        self._tensors = []
+        for (hkv, hd), idxs in groups.items():
+            t = torch.zeros(len(idxs), 2, self.num_slots, hkv, hd, dtype=dtype, device=device)
+            self._tensors.append(t)
+            for j, li in enumerate(idxs):
+                self._layers[li] = (t[j, 0], t[j, 1])
+
+    @property
+    def num_layers(self) -> int:
+        return len(self._layers)
+
+    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._layers[i]
+
+    def copy_slots(self, src: torch.Tensor, dst: torch.Tensor, layers: range | None = None) -> None:
+        """Move K/V entries src -> dst (same length) in the given layers (all by default); used to
+        keep only the accepted path of a verified tree."""
+        for i in (layers if layers is not None else range(self.num_layers)):
+            k, v = self._layers[i]
+            k.index_copy_(0, dst, k[src])
+            v.index_copy_(0, dst, v[src])
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self._tensors)
+
+
+class BlockAllocator:
+    def __init__(self, num_blocks: int):
+        self.num_blocks = num_blocks
+        self._free = deque(range(num_blocks))
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    def allocate(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise RuntimeError("out of KV blocks")
+        return [self._free.popleft() for _ in range(n)]
+
+    def free(self, blocks: list[int]) -> None:
+        self._free.extend(blocks)

@@ -1,0 +1,178 @@
+"""Continuous-batching scheduler (vLLM-v1 style token accounting).
+
+Every step each running request is given `num_tokens + len(spec_token_ids) - num_computed_tokens`
+new tokens (a prefill chunk, one decode token, or 1 + K verification tokens) within a per-step
+token budget; waiting requests are admitted while sequences, budget and KV blocks allow. When the
+pool runs out, the newest running request is preempted (its blocks freed, recomputed later).
+"""
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+from draftwise.config import EngineConfig
+from draftwise.engine.kv_cache import BlockAllocator
+from draftwise.engine.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    start_pos: int              # == num_computed_tokens when scheduled
+    token_ids: list[int]        # tokens fed this step (non-draft part then drafts)
+    num_draft_tokens: int
+    tree: object | None = None  # TreeDraft being verified (tree drafting)
+
+    @property
+    def num_new_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_prefix_tokens(self) -> int:
+        return len(self.token_ids) - self.num_draft_tokens
+
+    @property
+    def completes_prompt(self) -> bool:
+        """True when, after this step, every known token is computed (a token gets sampled)."""
+        return self.start_pos + self.num_prefix_tokens >= self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, num_blocks: int, num_lookahead_tokens: int = 0):
+        self.config = config
+        self.block_size = config.block_size
+        self.allocator = BlockAllocator(num_blocks)
+        self.num_lookahead_tokens = num_lookahead_tokens
+        self.max_blocks_per_seq = math.ceil((config.max_model_len + num_lookahead_tokens + 1) / self.block_size)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        if self.max_blocks_per_seq > num_blocks:
+            raise ValueError(f"KV pool of {num_blocks} blocks cannot hold one sequence of max_model_len="
+                             f"{config.max_model_len} (needs {self.max_blocks_per_seq})")
+
+    # --- queue management --------------------------------------------------------------------
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, req: Request, reason: str) -> None:
+        if req.status == RequestStatus.FINISHED:
+            return
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+        req.spec_token_ids = []
+        req.spec_tree = None
+        self._free(req)
+        if req in self.running:
+            self.running.remove(req)
+        try:
+            self.waiting.remove(req)
+        except ValueError:
+            pass
+
+    def _free(self, req: Request) -> None:
+        self.allocator.free(req.block_ids)
+        req.block_ids = []
+
+    def _ensure_blocks(self, req: Request, num_tokens: int) -> bool:
+        need = min(math.ceil(num_tokens / self.block_size), self.max_blocks_per_seq) - len(req.block_ids)
+        if need <= 0:
+            return True
+        if need > self.allocator.num_free:
+            return False
+        req.block_ids.extend(self.allocator.allocate(need))
+        return True
+
+    def _preempt(self, req: Request) -> None:
+        self._free(req)
+        req.num_computed_tokens = 0
+        req.spec_token_ids = []
+        req.spec_tree = None
+        req.status = RequestStatus.PREEMPTED
+        req.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    # --- one step ----------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n_prefix = req.num_tokens - req.num_computed_tokens
+            drafts = req.spec_token_ids if req.spec_tree is None else req.spec_tree.token_ids[1:]
+            n_draft = len(drafts)
+            if n_prefix + n_draft > budget:
+                n_draft = 0 if req.spec_tree is not None else max(0, budget - n_prefix)
+                n_prefix = min(n_prefix, budget)
+            lookahead = self.num_lookahead_tokens if (n_prefix + req.num_computed_tokens >= req.num_tokens) else 0
+            need = req.num_computed_tokens + n_prefix + n_draft + lookahead
+            ok = self._ensure_blocks(req, need)
+            preempted_self = False
+            while not ok:
+                victim = self.running.pop()
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is req:
+                    preempted_self = True
+                    break
+                ok = self._ensure_blocks(req, need)
+            if preempted_self:
+                break
+            toks = req.all_token_ids[req.num_computed_tokens:req.num_computed_tokens + n_prefix]
+            tree = req.spec_tree if (req.spec_tree is not None and n_draft) else None
+            out.scheduled.append(ScheduledRequest(req, req.num_computed_tokens, toks + list(drafts[:n_draft]),
+                                                  n_draft, tree))
+            budget -= n_prefix + n_draft
+            i += 1
+        if out.preempted:
+            return out
+        while self.waiting and len(self.running) < self.config.max_num_seqs and budget > 0:
+            req = self.waiting[0]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            lookahead = self.num_lookahead_tokens if n >= req.num_tokens else 0
+            if not self._ensure_blocks(req, req.num_computed_tokens + n + lookahead):
+                break
+            self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            out.scheduled.append(ScheduledRequest(req, req.num_computed_tokens,
+                                                  req.all_token_ids[req.num_computed_tokens:req.num_computed_tokens + n], 0))
+            budget -= n
+        return out
+
+    def update(self, sched: ScheduledRequest, new_token_ids: list[int], num_accepted: int) -> list[int]:
+        """Account for a step's result: `new_token_ids` are the accepted drafts followed by the one
+        sampled token (empty for an unfinished prefill chunk). Returns the tokens actually appended
+        (cut at a stop condition)."""
+        req = sched.request
+        if req.is_finished:
+            return []
+        req.num_computed_tokens = sched.start_pos + sched.num_prefix_tokens + num_accepted
+        req.spec_token_ids = []
+        req.spec_tree = None
+        appended = []
+        p = req.params
+        for tok in new_token_ids:
+            req.output_token_ids.append(tok)
+            appended.append(tok)
+            if tok in req.eos_token_ids or tok in p.stop_token_ids:
+                self.finish(req, "stop")
+                break
+            if len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.config.max_model_len:
+                self.finish(req, "length")
+                break
+        return appended

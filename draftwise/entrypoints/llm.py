@@ -1,0 +1,94 @@
+"""The offline API: `LLM(model, ...).generate(prompts, sampling_params)` and `.chat(messages)`."""
+from __future__ import annotations
+
+from typing import Iterator
+
+from draftwise.config import EngineConfig, SpeculativeConfig
+from draftwise.engine.engine import LLMEngine
+from draftwise.models.loader import DEFAULT_MODEL
+from draftwise.outputs import RequestOutput
+from draftwise.sampling_params import SamplingParams
+
+
+class LLM:
+    def __init__(self, model: str = DEFAULT_MODEL, *, max_model_len: int = 2048, max_num_seqs: int = 16,
+                 max_num_batched_tokens: int | None = None, block_size: int = 16,
+                 num_kv_blocks: int | None = None, dtype: str = "float32", device: str = "cpu",
+                 seed: int = 0, enforce_eager: bool = True, speculative_config=None,
+                 quantization: str | None = None, compile_buckets: tuple[int, ...] | None = None):
+        spec = SpeculativeConfig.from_any(speculative_config)
+        cfg = EngineConfig(model=model, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                           max_num_batched_tokens=max_num_batched_tokens or max(max_model_len, 512),
+                           block_size=block_size, num_kv_blocks=num_kv_blocks, dtype=dtype,
+                           device=device, seed=seed, enforce_eager=enforce_eager,
+                           speculative_config=spec, quantization=quantization,
+                           **({"compile_buckets": tuple(compile_buckets)} if compile_buckets else {}))
+        self.engine = LLMEngine(cfg)
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def _add_all(self, prompts, sampling_params) -> list[str]:
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
+        # validate every prompt before queueing any, so bad input leaves nothing half-added
+        for p, sp in zip(prompts, params):
+            _, ids = self.engine.tokenize_prompt(p)
+            if len(ids) >= self.engine.config.max_model_len:
+                raise ValueError(f"prompt is {len(ids)} tokens, longer than max_model_len="
+                                 f"{self.engine.config.max_model_len} allows")
+        return [self.engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+
+    def generate(self, prompts, sampling_params=None, use_tqdm: bool = False) -> list[RequestOutput]:
+        ids = self._add_all(prompts, sampling_params)
+        final: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm:
+            from tqdm import tqdm
+            bar = tqdm(total=len(ids), desc="generate")
+        while self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                if out.finished:
+                    final[out.request_id] = out
+                    if bar:
+                        bar.update(1)
+        if bar:
+            bar.close()
+        return [final[i] for i in ids]
+
+    def stream(self, prompt, sampling_params=None) -> Iterator[RequestOutput]:
+        """Yield a RequestOutput (with `new_text` / `new_token_ids`) after every step that produced tokens."""
+        (rid,) = self._add_all([prompt], sampling_params)
+        while True:
+            for out in self.engine.step():
+                if out.request_id == rid:
+                    yield out
+                    if out.finished:
+                        return
+
+    def apply_chat_template(self, messages) -> str:
+        tok = self.engine.tokenizer
+        if tok is None or not getattr(tok, "chat_template", None):
+            raise ValueError("this model has no chat template")
+        if not isinstance(messages, list) or not messages:
+            raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts")
+        return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+    def chat(self, messages, sampling_params=None, use_tqdm: bool = False) -> list[RequestOutput]:
+        """One conversation (list of dicts) or several (list of lists)."""
+        convs = messages if messages and isinstance(messages[0], list) else [messages]
+        prompts = [self.apply_chat_template(m) for m in convs]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def get_metrics(self) -> dict:
+        return self.engine.get_metrics()

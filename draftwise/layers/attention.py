@@ -1,0 +1,137 @@
+"""Paged attention over a flattened batch of requests.
+
+Every request contributes `query_len` tokens to the flat batch (prefill chunks, 1 decode token,
+1 + K verification tokens, a tree of draft nodes, or a DFlash block). Its keys are the first
+`seq_len` entries of its cache, in cache-index order (entry j lives at slot
+`block_table[j // block_size] * block_size + j % block_size`). The last `query_len` of those
+entries are the ones written in this step; the rest (`context_len = seq_len - query_len`) are
+always visible. Among the step's own entries the mask is one of:
+
+- ``causal``: query i sees step entries 0..i (prefill, decode, chain verification);
+- ``noncausal``: query i sees every step entry (DFlash's block);
+- ``tree``: query i sees step entry j iff ``tree_mask[r, i, j]`` (tree drafting / verification;
+  tree nodes are stored at consecutive cache entries while their RoPE positions are depth-based).
+
+The metadata is built once per forward and shared by every layer.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+CAUSAL, NONCAUSAL, TREE = "causal", "noncausal", "tree"
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor          # [T] cache slot each query token's K/V is written to
+    query_lens: list[int]               # per request
+    seq_lens: list[int]                 # per request, keys visible after this step's writes
+    block_tables: torch.Tensor          # [R, max_blocks]
+    block_size: int
+    mask_kind: str = CAUSAL
+    tree_mask: torch.Tensor | None = None   # [R, max_q, max_q] bool, for mask_kind == TREE
+    # derived by finalize()
+    kv_slots: torch.Tensor | None = None    # [R, max_kv]
+    q_index: torch.Tensor | None = None     # [R, max_q] rows of the flat batch (T = padding row)
+    out_index: torch.Tensor | None = None   # [T] rows of the padded [R*max_q] output
+    attn_mask: torch.Tensor | None = None   # [R, 1, max_q, max_kv] bool or None (no masking needed)
+    uniform: bool = False                   # all query_lens equal: pure reshapes
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.query_lens)
+
+    @property
+    def query_start_loc(self) -> list[int]:
+        out = [0]
+        for q in self.query_lens:
+            out.append(out[-1] + q)
+        return out
+
+    def finalize(self) -> "AttentionMetadata":
+        dev = self.block_tables.device
+        R = len(self.query_lens)
+        max_q, max_kv = max(self.query_lens), max(self.seq_lens)
+        T = sum(self.query_lens)
+        q_lens = torch.tensor(self.query_lens, device=dev)
+        s_lens = torch.tensor(self.seq_lens, device=dev)
+        j = torch.arange(max_kv, device=dev)
+        width = self.block_tables.shape[1]
+        blk = torch.clamp(j // self.block_size, max=width - 1)
+        self.kv_slots = self.block_tables[:, blk] * self.block_size + (j % self.block_size)[None, :]
+        self.uniform = min(self.query_lens) == max_q
+        if not self.uniform:
+            starts = torch.cumsum(q_lens, 0) - q_lens
+            i = torch.arange(max_q, device=dev)
+            idx = starts[:, None] + i[None, :]
+            self.q_index = torch.where(i[None, :] < q_lens[:, None], idx, torch.full_like(idx, T))
+            req = torch.repeat_interleave(torch.arange(R, device=dev), q_lens)
+            pos_in_req = torch.arange(T, device=dev) - starts[req]
+            self.out_index = req * max_q + pos_in_req
+        self.attn_mask = self._build_mask(q_lens, s_lens, max_q, max_kv)
+        return self
+
+    def _build_mask(self, q_lens, s_lens, max_q, max_kv):
+        kind = self.mask_kind
+        all_full = min(self.seq_lens) == max_kv
+        if kind == NONCAUSAL or (kind == CAUSAL and max_q == 1):
+            if all_full:
+                return None
+            m = torch.arange(max_kv, device=q_lens.device)[None, :] < s_lens[:, None]
+            return m[:, None, None, :].expand(-1, 1, max_q, -1)
+        qi = torch.arange(max_q, device=q_lens.device)[None, :, None]
+        kj = torch.arange(max_kv, device=q_lens.device)[None, None, :]
+        ql, sl = q_lens[:, None, None], s_lens[:, None, None]
+        ctx = sl - ql
+        rel = kj - ctx
+        valid = kj < sl
+        if kind == CAUSAL:
+            allowed = valid & (rel <= qi)
+        elif kind == TREE:
+            tm = self.tree_mask
+            if tm is None:
+                raise ValueError("tree attention needs tree_mask")
+            R = q_lens.shape[0]
+            relc = rel.clamp(0, max_q - 1).expand(R, max_q, max_kv)
+            within = torch.gather(tm[:, :max_q, :max_q], 2, relc)
+            allowed = valid & ((kj < ctx) | within)
+        else:
+            raise ValueError(f"unknown mask kind {kind!r}")
+        allowed = allowed | ((qi >= ql) & (kj == 0))   # padded query rows: see one key, output dropped
+        return allowed[:, None]
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """q: [T, H, D]; k, v: [T, Hkv, D]; caches: [num_slots, Hkv, D]. Returns [T, H, D]."""
+    k_cache.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
+    v_cache.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
+    R = meta.num_reqs
+    T, H, D = q.shape
+    keys = k_cache[meta.kv_slots].transpose(1, 2)      # [R, Hkv, max_kv, D]
+    vals = v_cache[meta.kv_slots].transpose(1, 2)
+    if meta.uniform:
+        qp = q.view(R, T // R, H, D)
+    else:
+        qp = torch.cat([q, q.new_zeros(1, H, D)], 0)[meta.q_index]
+    qp = qp.transpose(1, 2)                             # [R, H, max_q, D]
+    out = F.scaled_dot_product_attention(qp, keys.to(q.dtype), vals.to(q.dtype),
+                                         attn_mask=meta.attn_mask, scale=scale,
+                                         enable_gqa=keys.shape[1] != H)
+    out = out.transpose(1, 2)                           # [R, max_q, H, D]
+    if meta.uniform:
+        return out.reshape(T, H, D)
+    return out.reshape(-1, H, D)[meta.out_index]
+
+
+def slots_for_positions(block_tables: torch.Tensor, req_index: torch.Tensor, positions: torch.Tensor,
+                        block_size: int) -> torch.Tensor:
+    """The seed's `_paged_slots`: cache slot of absolute cache index `positions` of request `req_index`
+    (block number clamped to the table width)."""
+    width = block_tables.shape[1]
+    blk = torch.clamp(positions // block_size, max=width - 1)
+    return block_tables[req_index, blk] * block_size + positions % block_size

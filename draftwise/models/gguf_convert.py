@@ -1,0 +1,143 @@
+"""GGUF -> Hugging Face directory conversion (dequantized with the `gguf` package).
+
+llama.cpp's converter permutes the rows of Llama Q and K projections (to its interleaved RoPE
+layout); we undo that here so the weights match the Hugging Face (neox) layout our model uses.
+The converted copy (config.json, model.safetensors, tokenizer files) is cached, so a second load
+takes seconds.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+
+import numpy as np
+import torch
+
+logger = logging.getLogger("draftwise")
+
+_NAME_MAP = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_BLOCK_MAP = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+}
+
+
+def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Inverse of llama.cpp's `permute(weights, n_head)` on a [rows, cols] projection."""
+    rows = w.shape[0]
+    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _field(reader, key, default=None):
+    f = reader.fields.get(key)
+    if f is None:
+        return default
+    v = f.contents()
+    return v
+
+
+def gguf_config(reader) -> dict:
+    arch = _field(reader, "general.architecture")
+    if arch not in ("llama", "qwen3"):
+        raise ValueError(f"GGUF architecture {arch!r} is not supported (llama, qwen3)")
+    g = lambda k, d=None: _field(reader, f"{arch}.{k}", d)  # noqa: E731
+    heads = int(g("attention.head_count"))
+    hidden = int(g("embedding_length"))
+    names = {t.name for t in reader.tensors}
+    cfg = {
+        "architectures": ["LlamaForCausalLM" if arch == "llama" else "Qwen3ForCausalLM"],
+        "model_type": arch,
+        "hidden_size": hidden,
+        "intermediate_size": int(g("feed_forward_length")),
+        "num_hidden_layers": int(g("block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(g("attention.head_count_kv", heads)),
+        "head_dim": int(g("attention.key_length", hidden // heads)),
+        "rms_norm_eps": float(g("attention.layer_norm_rms_epsilon", 1e-6)),
+        "rope_theta": float(g("rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(g("context_length", 2048)),
+        "vocab_size": int(g("vocab_size", len(_field(reader, "tokenizer.ggml.tokens", [])))),
+        "tie_word_embeddings": "output.weight" not in names,
+        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
+        "torch_dtype": "float32",
+    }
+    return cfg
+
+
+def iter_gguf_tensors(reader, cfg: dict):
+    from gguf.quants import dequantize
+    n_head, n_kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    for t in reader.tensors:
+        name = t.name
+        if name in _NAME_MAP:
+            hf = _NAME_MAP[name]
+        elif name.startswith("blk."):
+            _, idx, rest = name.split(".", 2)
+            base, suffix = rest.rsplit(".", 1)
+            if base not in _BLOCK_MAP:
+                continue
+            hf = f"model.layers.{idx}.{_BLOCK_MAP[base]}.{suffix}"
+        else:
+            continue
+        arr = dequantize(t.data, t.tensor_type).astype(np.float32)
+        arr = arr.reshape([int(x) for x in reversed(t.shape)]) if arr.ndim != len(t.shape) else arr
+        if cfg["model_type"] == "llama" and suffix_is_weight(name):
+            if ".attn_q." in name:
+                arr = unpermute_qk(arr, n_head)
+            elif ".attn_k." in name:
+                arr = unpermute_qk(arr, n_kv)
+        yield hf, torch.from_numpy(np.ascontiguousarray(arr))
+
+
+def suffix_is_weight(name: str) -> bool:
+    return name.endswith(".weight")
+
+
+def _file_key(path: str) -> str:
+    st = os.stat(path)
+    h = hashlib.sha1(f"{os.path.abspath(path)}:{st.st_size}:{int(st.st_mtime)}".encode()).hexdigest()[:12]
+    return f"{os.path.basename(path).rsplit('.', 1)[0]}-{h}"
+
+
+def convert_gguf(path: str, cache_root: str) -> str:
+    """Convert a GGUF file to a cached Hugging Face directory; return the directory."""
+    from gguf import GGUFReader
+    from safetensors.torch import save_file
+
+    out = os.path.join(cache_root, "models", _file_key(path))
+    if os.path.exists(os.path.join(out, "DONE")):
+        return out
+    logger.info("converting %s (one-time, cached at %s)", path, out)
+    tmp = out + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    reader = GGUFReader(path)
+    cfg = gguf_config(reader)
+    tensors = dict(iter_gguf_tensors(reader, cfg))
+    save_file(tensors, os.path.join(tmp, "model.safetensors"))
+    with open(os.path.join(tmp, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=2)
+    try:
+        from transformers import AutoTokenizer
+        tok = AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(path)),
+                                            gguf_file=os.path.basename(path))
+        tmpl = _field(reader, "tokenizer.chat_template")
+        if tmpl and not getattr(tok, "chat_template", None):
+            tok.chat_template = tmpl
+        tok.save_pretrained(tmp)
+    except Exception as e:  # a model without a usable tokenizer still runs on token ids
+        logger.warning("could not build a tokenizer from %s: %s", path, e)
+    open(os.path.join(tmp, "DONE"), "w").close()
+    shutil.rmtree(out, ignore_errors=True)
+    os.replace(tmp, out)
+    return out

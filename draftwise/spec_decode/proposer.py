@@ -1,0 +1,42 @@
+"""The proposer interface every drafting method implements."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class ProposerInput:
+    """What the target step leaves for the drafter. Rows are the *valid* rows of the step (the
+    tokens fed, minus rejected drafts), grouped per request in batch order."""
+    token_ids: torch.Tensor               # [Tv] tokens fed at those rows
+    positions: torch.Tensor               # [Tv] their positions
+    aux_hidden_states: torch.Tensor | None  # [Tv, k*H] target auxiliary states at those rows
+    query_lens: list[int]                 # valid rows per request
+    next_token_ids: torch.Tensor          # [R] token at position last+1 (sampled, or next prompt token)
+    seq_lens: list[int]                   # last valid position + 1, per request
+    block_tables: torch.Tensor            # [R, W]
+    want_draft: list[bool]                # requests to draft for (others only update drafter state)
+    requests: list                        # the Request objects (token history for n-gram)
+    new_tokens: list[list[int]]           # tokens appended to each request by this step
+
+
+class Proposer:
+    """Drafts tokens for the next step. `num_lookahead_tokens` is how many cache entries beyond the
+    newest token the drafter writes (the scheduler reserves them)."""
+    method = "base"
+    needs_aux_hidden_states = False
+    num_lookahead_tokens = 0
+
+    def kv_layer_specs(self) -> list[tuple[int, int]]:
+        return []
+
+    def bind_kv_cache(self, first_layer: int) -> None:
+        pass
+
+    def aux_layers(self) -> tuple[int, ...]:
+        return ()
+
+    def propose(self, inp: ProposerInput, kv_cache, block_size: int, num_spec_tokens: int) -> list[list[int]]:
+        raise NotImplementedError

@@ -1,0 +1,217 @@
+"""The model runner: turns a SchedulerOutput into tensors, runs the target (verification included),
+samples / rejection-samples, and runs the proposer for the next step's drafts."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from draftwise.config import EngineConfig, ModelConfig
+from draftwise.engine.kv_cache import KVCache
+from draftwise.engine.scheduler import SchedulerOutput
+from draftwise.layers.attention import CAUSAL, TREE, AttentionMetadata, slots_for_positions
+from draftwise.sample.rejection_sampler import greedy_rejection_sample, rejection_sample
+from draftwise.sample.sampler import SamplingMetadata
+from draftwise.spec_decode.metadata import SpecDecodeMetadata
+from draftwise.spec_decode.proposer import Proposer, ProposerInput
+
+
+@dataclass
+class StepOutput:
+    """Result of one target step, kept until the proposer has run."""
+    sched: SchedulerOutput
+    new_token_ids: list[list[int]]        # per scheduled request: accepted drafts + sampled token
+    num_accepted: list[int]
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    aux_hidden_states: torch.Tensor | None
+    block_tables: torch.Tensor
+    query_start: list[int]
+    accepted_rows: list[list[int]] = field(default_factory=list)  # tree: rows of the accepted path
+
+
+class StepTimer:
+    """Accumulates wall time per phase of a step (drafting, verification, sampling, bookkeeping)."""
+
+    def __init__(self):
+        self.totals: dict[str, float] = {}
+        self.steps = 0
+
+    def add(self, name: str, dt: float) -> None:
+        self.totals[name] = self.totals.get(name, 0.0) + dt
+
+    def reset(self):
+        self.totals, self.steps = {}, 0
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model, model_cfg: ModelConfig, proposer: Proposer | None,
+                 num_blocks: int):
+        self.config = config
+        self.model = model
+        self.model_cfg = model_cfg
+        self.proposer = proposer
+        self.device = torch.device(config.device)
+        self.block_size = config.block_size
+        specs = [(model_cfg.num_key_value_heads, model_cfg.head_dim)] * model_cfg.num_hidden_layers
+        if proposer is not None:
+            proposer.bind_kv_cache(len(specs))
+            specs += proposer.kv_layer_specs()
+            if proposer.needs_aux_hidden_states:
+                model.set_aux_hidden_state_layers(proposer.aux_layers())
+        self.kv_cache = KVCache(num_blocks, self.block_size, specs, config.torch_dtype, self.device)
+        self.generator = torch.Generator(device="cpu").manual_seed(config.seed)
+        spec = config.speculative_config
+        self.fused_greedy = spec is None or spec.rejection_sampler == "fused"
+        self.timer = StepTimer()
+        self.forward_fn = self._target_forward
+
+    # --- helpers ---------------------------------------------------------------------------------
+    def _block_tables(self, reqs) -> torch.Tensor:
+        width = max(1, max(len(r.block_ids) for r in reqs))
+        bt = torch.zeros(len(reqs), width, dtype=torch.long)
+        for i, r in enumerate(reqs):
+            if r.block_ids:
+                bt[i, :len(r.block_ids)] = torch.tensor(r.block_ids)
+        return bt.to(self.device)
+
+    def _sampling_metadata(self, reqs) -> SamplingMetadata:
+        gens = [r.generator if r.generator is not None else self.generator for r in reqs]
+        return SamplingMetadata.from_params([r.params for r in reqs], gens, self.device)
+
+    def _target_forward(self, input_ids, positions, meta, logits_indices):
+        return self.model(input_ids, positions, meta, self.kv_cache, logits_indices)
+
+    # --- one step --------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> StepOutput:
+        t0 = time.perf_counter()
+        scheds = out.scheduled
+        reqs = [s.request for s in scheds]
+        ids, pos, qlens, seqlens = [], [], [], []
+        tree_masks = []
+        any_tree = any(s.tree is not None for s in scheds)
+        for s in scheds:
+            n = s.num_new_tokens
+            ids.extend(s.token_ids)
+            if s.tree is not None:
+                # prefix rows at their own positions, then tree nodes at depth-based positions
+                base = s.start_pos + s.num_prefix_tokens - 1
+                pos.extend(range(s.start_pos, s.start_pos + s.num_prefix_tokens - 1))
+                pos.extend((base + s.tree.depths).tolist())
+            else:
+                pos.extend(range(s.start_pos, s.start_pos + n))
+            qlens.append(n)
+            seqlens.append(s.start_pos + n)
+        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
+        positions = torch.tensor(pos, dtype=torch.long, device=self.device)
+        block_tables = self._block_tables(reqs)
+        req_index = torch.repeat_interleave(torch.arange(len(scheds), device=self.device),
+                                            torch.tensor(qlens, device=self.device))
+        # cache entries are consecutive (tree nodes included); RoPE positions may differ (trees)
+        cache_pos = torch.cat([torch.arange(s.start_pos, s.start_pos + s.num_new_tokens) for s in scheds]).to(self.device)
+        slot_mapping = slots_for_positions(block_tables, req_index, cache_pos, self.block_size)
+        tree_mask = None
+        if any_tree:
+            tree_mask = self._tree_verify_mask(scheds, max(qlens))
+        meta = AttentionMetadata(slot_mapping, qlens, seqlens, block_tables, self.block_size,
+                                 TREE if any_tree else CAUSAL, tree_mask).finalize()
+        cu = torch.cumsum(torch.tensor(qlens), 0).tolist()
+        num_draft = [s.num_draft_tokens for s in scheds]
+        sampling = self._sampling_metadata(reqs)
+        if any_tree:
+            logits_indices = torch.arange(len(ids), device=self.device)
+        else:
+            spec_meta = SpecDecodeMetadata.build(num_draft, cu, input_ids)
+            logits_indices = spec_meta.logits_indices
+        t1 = time.perf_counter()
+        output = self.forward_fn(input_ids, positions, meta, logits_indices)
+        t2 = time.perf_counter()
+        accepted_rows: list[list[int]] = []
+        if any_tree:
+            from draftwise.spec_decode.tree import verify_trees
+            new_tokens, accepted_rows = verify_trees(output.logits, scheds, sampling, self.device)
+        else:
+            nd = torch.tensor(num_draft, dtype=torch.long, device=self.device)
+            drafts = spec_meta.draft_matrix()
+            if sampling.all_greedy and self.fused_greedy:
+                tok = greedy_rejection_sample(output.logits.argmax(-1), drafts, nd)
+            else:
+                tok = rejection_sample(output.logits, drafts, nd, sampling)
+            rows = tok.tolist()   # the step's one host sync
+            new_tokens = [[t for t in row if t != -1] for row in rows]
+        t3 = time.perf_counter()
+        step_new, step_acc = [], []
+        for s, toks in zip(scheds, new_tokens):
+            if not s.completes_prompt:
+                step_new.append([])
+                step_acc.append(0)
+            else:
+                step_new.append(toks)
+                step_acc.append(len(toks) - 1)
+        self.timer.add("prepare", t1 - t0)
+        self.timer.add("target_forward", t2 - t1)
+        self.timer.add("sampling", t3 - t2)
+        self.timer.steps += 1
+        starts = [0] + cu[:-1]
+        return StepOutput(out, step_new, step_acc, input_ids, positions, output.aux_hidden_states,
+                          block_tables, starts, accepted_rows)
+
+    def _tree_verify_mask(self, scheds, max_q) -> torch.Tensor:
+        """Per request [max_q, max_q]: prefix rows causal; tree rows see the prefix and their ancestors."""
+        R = len(scheds)
+        m = torch.zeros(R, max_q, max_q, dtype=torch.bool)
+        for r, s in enumerate(scheds):
+            n = s.num_new_tokens
+            m[r, :n, :n] = torch.tril(torch.ones(n, n, dtype=torch.bool))
+            if s.tree is not None:
+                p = s.num_prefix_tokens - 1            # row of the tree root (the sampled token)
+                t = s.tree.mask.shape[0]
+                m[r, p:p + t, p:p + t] = s.tree.mask
+        return m.to(self.device)
+
+    # --- drafting --------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def propose(self, step: StepOutput, num_spec_tokens: int) -> list[list[int]]:
+        """Drafts for every scheduled request (empty where none is wanted)."""
+        if self.proposer is None:
+            return [[] for _ in step.sched.scheduled]
+        t0 = time.perf_counter()
+        scheds = step.sched.scheduled
+        rows, qlens, seq_lens, next_ids, want = [], [], [], [], []
+        for i, s in enumerate(scheds):
+            req = s.request
+            start = step.query_start[i]
+            if step.accepted_rows and s.tree is not None:
+                r_rows = [start + j for j in range(s.num_prefix_tokens - 1)] + [start + j for j in step.accepted_rows[i]]
+            else:
+                n_valid = s.num_prefix_tokens + step.num_accepted[i]
+                r_rows = list(range(start, start + n_valid))
+            rows.extend(r_rows)
+            qlens.append(len(r_rows))
+            last_pos = s.start_pos + len(r_rows) - 1
+            seq_lens.append(last_pos + 1)
+            if s.completes_prompt and step.new_token_ids[i]:
+                next_ids.append(step.new_token_ids[i][-1])
+            else:
+                next_ids.append(req.all_token_ids[last_pos + 1] if last_pos + 1 < req.num_tokens else 0)
+            sampled_pos = last_pos + 1
+            want.append(bool(num_spec_tokens > 0 and s.completes_prompt and not req.is_finished
+                             and sampled_pos + num_spec_tokens < self.config.max_model_len))
+        if not any(want) and not self.proposer.needs_aux_hidden_states:
+            return [[] for _ in scheds]
+        row_t = torch.tensor(rows, dtype=torch.long, device=self.device)
+        if step.accepted_rows:
+            positions = torch.cat([torch.arange(s.start_pos, s.start_pos + q) for s, q in zip(scheds, qlens)]).to(self.device)
+        else:
+            positions = step.positions[row_t]
+        inp = ProposerInput(
+            token_ids=step.input_ids[row_t], positions=positions,
+            aux_hidden_states=step.aux_hidden_states[row_t] if step.aux_hidden_states is not None else None,
+            query_lens=qlens, next_token_ids=torch.tensor(next_ids, dtype=torch.long, device=self.device),
+            seq_lens=seq_lens, block_tables=step.block_tables, want_draft=want,
+            requests=[s.request for s in scheds], new_tokens=step.new_token_ids)
+        drafts = self.proposer.propose(inp, self.kv_cache, self.block_size, num_spec_tokens)
+        self.timer.add("drafting", time.perf_counter() - t0)
+        return drafts
