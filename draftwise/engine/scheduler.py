@@ -32,10 +32,10 @@ class ScheduledRequest:
     def num_prefix_tokens(self) -> int:
         return len(self.token_ids) - self.num_draft_tokens
 
-    @property
-    def completes_prompt(self) -> bool:
-        """True when, after this step, every known token is computed (a token gets sampled)."""
-        return self.start_pos + self.num_prefix_tokens >= self.request.num_tokens
+    completes_prompt: bool = False   # after this step every known token is computed: one is sampled
+
+    def __post_init__(self):
+        self.completes_prompt = self.start_pos + self.num_prefix_tokens >= self.request.num_tokens
 
 
 @dataclass

@@ -174,16 +174,17 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_cache, logits_indices: torch.Tensor | None = None) -> TargetOutput:
         h = self.embed_tokens(input_ids)
-        aux = []
+        captured = {}
+        wanted = self.aux_hidden_state_layers
         for i, layer in enumerate(self.layers):
-            if i in self.aux_hidden_state_layers:
-                aux.append(h)
+            if i in wanted:
+                captured[i] = h
             h = layer(h, positions, meta, kv_cache, self.rotary)
         h = self.norm(h)
         logits = None
         if logits_indices is not None:
             logits = self.compute_logits(h[logits_indices])
-        aux_t = torch.cat(aux, dim=-1) if aux else None
+        aux_t = torch.cat([captured[i] for i in wanted], dim=-1) if wanted else None
         return TargetOutput(h, aux_t, logits)
 
     def compute_logits(self, h: torch.Tensor) -> torch.Tensor:

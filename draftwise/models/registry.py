@@ -12,9 +12,14 @@ def _targets():
 
 
 def _drafts():
-    from draftwise.models.eagle3 import Eagle3LlamaForCausalLM
-    from draftwise.models.dflash import DFlashDraftModel
-    return {"Eagle3LlamaForCausalLM": Eagle3LlamaForCausalLM, "DFlashDraftModel": DFlashDraftModel}
+    def eagle3():
+        from draftwise.models.eagle3 import Eagle3LlamaForCausalLM
+        return Eagle3LlamaForCausalLM
+
+    def dflash():
+        from draftwise.models.dflash import DFlashDraftModel
+        return DFlashDraftModel
+    return {"Eagle3LlamaForCausalLM": eagle3, "DFlashDraftModel": dflash}
 
 
 def target_class(cfg: ModelConfig):
@@ -32,11 +37,11 @@ def eagle3_class(architectures: list[str]):
     if name not in classes:
         raise ValueError(f"no EAGLE-3 draft class for architecture {arch!r} "
                          f"(known: {', '.join(k for k in classes if k.startswith('Eagle3'))})")
-    return classes[name]
+    return classes[name]()
 
 
 def draft_class(name: str):
     classes = _drafts()
     if name not in classes:
         raise ValueError(f"unknown draft architecture {name!r}; known: {', '.join(classes)}")
-    return classes[name]
+    return classes[name]()

@@ -1,0 +1,51 @@
+"""Build the proposer a SpeculativeConfig asks for, resolving shipped drafters when no model is named."""
+from __future__ import annotations
+
+import os
+
+from draftwise.config import EngineConfig, ModelConfig, SpeculativeConfig
+
+DRAFTERS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "drafters")
+
+
+def shipped_drafter(model_path: str, target_cfg: ModelConfig, method: str) -> str | None:
+    """The drafter shipped in the package for this target, found by the target's shape."""
+    key = f"{target_cfg.architecture}-L{target_cfg.num_hidden_layers}-H{target_cfg.hidden_size}-V{target_cfg.vocab_size}"
+    d = os.path.join(DRAFTERS_DIR, key, method)
+    return d if os.path.exists(os.path.join(d, "config.json")) else None
+
+
+def build_proposer(spec: SpeculativeConfig, target_model, target_cfg: ModelConfig, cfg: EngineConfig,
+                   model_path: str):
+    if spec.method == "ngram":
+        from draftwise.spec_decode.ngram import NgramProposer
+        return NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
+    path = spec.model
+    if path is None:
+        path = shipped_drafter(model_path, target_cfg, spec.method)
+        if path is None:
+            raise ValueError(f"no shipped {spec.method} drafter for this target ({cfg.model}); "
+                             "pass speculative_config['model'] = PATH to a draft checkpoint")
+        spec.model = path
+    if not os.path.isdir(path):
+        raise ValueError(f"draft checkpoint {path!r} does not exist or is not a directory")
+    max_pos = cfg.max_model_len + 512
+    if spec.method == "eagle3":
+        from draftwise.models.eagle3 import load_eagle3_checkpoint
+        from draftwise.spec_decode.eagle import EagleProposer
+        draft, raw = load_eagle3_checkpoint(path, target_cfg, target_model.embed_tokens, cfg.torch_dtype,
+                                            cfg.device, max_pos)
+        return EagleProposer(draft, raw, target_model, spec.num_speculative_tokens, spec.eagle_topk,
+                             spec.eagle_depth)
+    if spec.method == "dflash":
+        from draftwise.models.dflash import load_dflash_checkpoint
+        from draftwise.spec_decode.dflash import DFlashProposer
+        draft, raw = load_dflash_checkpoint(path, target_cfg, cfg.torch_dtype, cfg.device, max_pos)
+        block = draft.block_size
+        if spec.num_speculative_tokens is None:
+            spec.num_speculative_tokens = block - 1
+        elif spec.num_speculative_tokens != block - 1:
+            raise ValueError(f"num_speculative_tokens={spec.num_speculative_tokens} does not match the DFlash "
+                             f"checkpoint: block_size={block} gives block_size - 1 = {block - 1} draft tokens")
+        return DFlashProposer(draft, raw, target_model, target_cfg)
+    raise ValueError(f"unknown speculative method {spec.method!r}")

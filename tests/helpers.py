@@ -1,0 +1,62 @@
+"""Test helpers: published-format draft checkpoints with random weights."""
+import json
+import os
+
+import torch
+
+
+def write_eagle3_checkpoint(path, target_cfg: dict, draft_vocab=None, fmt="safetensors", seed=0,
+                            aux_ids=None, dtype=torch.float16, scale=0.05, with_embedding=False):
+    """An EAGLE-3 head in the exact published layout (SafeAILab/EAGLE, SpecForge)."""
+    g = torch.Generator().manual_seed(seed)
+    H = target_cfg["hidden_size"]
+    V = target_cfg["vocab_size"]
+    heads = target_cfg["num_attention_heads"]
+    kv = target_cfg.get("num_key_value_heads", heads)
+    hd = target_cfg.get("head_dim", H // heads)
+    I = target_cfg["intermediate_size"]
+    dv = draft_vocab or V
+    r = lambda *s: (torch.randn(*s, generator=g) * scale).to(dtype)  # noqa: E731
+    t = {
+        "fc.weight": r(H, 3 * H),
+        "midlayer.self_attn.q_proj.weight": r(heads * hd, 2 * H),
+        "midlayer.self_attn.k_proj.weight": r(kv * hd, 2 * H),
+        "midlayer.self_attn.v_proj.weight": r(kv * hd, 2 * H),
+        "midlayer.self_attn.o_proj.weight": r(H, heads * hd),
+        "midlayer.mlp.gate_proj.weight": r(I, H),
+        "midlayer.mlp.up_proj.weight": r(I, H),
+        "midlayer.mlp.down_proj.weight": r(H, I),
+        "midlayer.hidden_norm.weight": torch.ones(H, dtype=dtype),
+        "midlayer.input_layernorm.weight": torch.ones(H, dtype=dtype),
+        "midlayer.post_attention_layernorm.weight": torch.ones(H, dtype=dtype),
+        "norm.weight": torch.ones(H, dtype=dtype),
+        "lm_head.weight": r(dv, H) * 20,
+    }
+    used = torch.sort(torch.randperm(V, generator=g)[:dv]).values if dv < V else torch.arange(V)
+    t["d2t"] = (used - torch.arange(dv)).long()
+    t2d = torch.zeros(V, dtype=torch.bool)
+    t2d[used] = True
+    t["t2d"] = t2d
+    if with_embedding:
+        t["embed_tokens.weight"] = r(V, H)
+    os.makedirs(path, exist_ok=True)
+    if fmt == "safetensors":
+        from safetensors.torch import save_file
+        save_file(t, os.path.join(path, "model.safetensors"))
+    else:
+        torch.save(t, os.path.join(path, "pytorch_model.bin"))
+    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": H,
+           "intermediate_size": I, "num_hidden_layers": 1, "num_attention_heads": heads,
+           "num_key_value_heads": kv, "head_dim": hd, "rms_norm_eps": 1e-6, "vocab_size": V,
+           "draft_vocab_size": dv, "target_hidden_size": H, "max_position_embeddings": 2048,
+           "torch_dtype": "float16"}
+    if aux_ids is not None:
+        cfg["eagle_aux_hidden_state_layer_ids"] = list(aux_ids)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    return path
+
+
+def load_cfg(path):
+    with open(os.path.join(path, "config.json")) as f:
+        return json.load(f)
