@@ -1,0 +1,320 @@
+"""`draftwise train eagle3`: train an EAGLE-3 head for a target with training-time test (TTT).
+
+Target features come from our own target model (online, one forward per conversation). The head
+is unrolled for `ttt_steps` steps on its own hidden states: step i at position t consumes token
+t+i+1 and predicts the target's distribution at t+i+1 (restricted to the draft vocabulary), with
+loss weight 0.8**i. Its attention sees the step-0 keys causally and, from steps 1..i, only the keys
+of its own position, with RoPE positions t+i exactly as in inference.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+
+from draftwise.config import ModelConfig
+from draftwise.engine.kv_cache import KVCache
+from draftwise.layers.attention import CAUSAL, AttentionMetadata
+from draftwise.models.eagle3 import Eagle3LlamaForCausalLM, save_eagle3_checkpoint
+
+
+@dataclass
+class TrainConfig:
+    target: str
+    out: str
+    data: str | None = None
+    max_len: int = 512
+    ttt_steps: int = 7
+    draft_vocab_size: int = 16384
+    vocab_examples: int = 3000
+    lr: float = 1e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 50
+    total_steps: int = 2000
+    tokens_per_step: int = 2048
+    grad_clip: float = 0.5
+    loss_decay: float = 0.8
+    save_every: int = 50
+    eval_every: int = 100
+    eval_examples: int = 16
+    seed: int = 0
+    threads: int | None = None
+    export_dtype: str = "float16"
+
+
+# ---------------------------------------------------------------------------------------------
+# target features
+# ---------------------------------------------------------------------------------------------
+class TargetFeaturizer:
+    """Runs our target over one sequence and returns (aux states [L, k*H], logits [L, V])."""
+
+    def __init__(self, target, max_len: int, block_size: int = 64):
+        self.target = target
+        cfg = target.config
+        self.block_size = block_size
+        nblocks = math.ceil(max_len / block_size)
+        specs = [(cfg.num_key_value_heads, cfg.head_dim)] * cfg.num_hidden_layers
+        dtype = target.embed_tokens.weight.dtype
+        device = target.embed_tokens.weight.device
+        self.cache = KVCache(nblocks, block_size, specs, dtype, device)
+        self.block_table = torch.arange(nblocks, device=device)[None, :]
+
+    @torch.no_grad()
+    def __call__(self, ids: list[int]):
+        dev = self.block_table.device
+        L = len(ids)
+        pos = torch.arange(L, device=dev)
+        slots = pos.clone()  # block table is the identity
+        meta = AttentionMetadata(slots, [L], [L], self.block_table, self.block_size, CAUSAL).finalize()
+        out = self.target(torch.tensor(ids, device=dev), pos, meta, self.cache, logits_indices=pos)
+        return out.aux_hidden_states.clone(), out.logits.clone()
+
+
+# ---------------------------------------------------------------------------------------------
+# TTT forward of the draft head (shares modules with the inference model)
+# ---------------------------------------------------------------------------------------------
+def _attn_ttt(attn, x, positions, rotary, k0, v0, diag_k, diag_v, t_index):
+    """x: [n, 2H]; returns (out [n, H], k, v) with k/v of this step (for later diagonal use)."""
+    n = x.shape[0]
+    H, Hkv, D = attn.num_heads, attn.num_kv_heads, attn.head_dim
+    q, k, v = attn.qkv_proj(x).split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
+    q, k, v = q.view(n, H, D), k.view(n, Hkv, D), v.view(n, Hkv, D)
+    q, k = rotary(positions, q, k)
+    rep = H // Hkv
+    if k0 is None:        # step 0: plain causal self-attention
+        k0, v0 = k, v
+    kk = k0.repeat_interleave(rep, 1)                   # [n0, H, D]
+    vv = v0.repeat_interleave(rep, 1)
+    scores = torch.einsum("qhd,khd->hqk", q, kk) * attn.scale    # [H, n, n0]
+    n0 = kk.shape[0]
+    causal = torch.arange(n0, device=x.device)[None, :] <= t_index[:, None]
+    scores = scores.masked_fill(~causal[None], float("-inf"))
+    diag_scores = [((q * dk[:n].repeat_interleave(rep, 1)).sum(-1) * attn.scale).T[:, :, None]
+                   for dk in diag_k + [k]] if diag_k is not None else []
+    if diag_k is not None:
+        allsc = torch.cat([scores] + diag_scores, dim=-1)            # [H, n, n0 + s]
+        probs = allsc.softmax(-1)
+        out = torch.einsum("hqk,khd->qhd", probs[..., :n0], vv)
+        for j, dv in enumerate(diag_v + [v]):
+            out = out + probs[..., n0 + j].T[:, :, None] * dv[:n].repeat_interleave(rep, 1)
+    else:
+        probs = scores.softmax(-1)
+        out = torch.einsum("hqk,khd->qhd", probs, vv)
+    return attn.o_proj(out.reshape(n, H * D)), k, v
+
+
+def ttt_forward(model: Eagle3LlamaForCausalLM, ids: torch.Tensor, aux: torch.Tensor,
+                target_logits: torch.Tensor, loss_mask: torch.Tensor, steps: int, decay: float):
+    """Returns (weighted loss, per-step (correct, count))."""
+    L = ids.shape[0]
+    layer = model.midlayer
+    attn = layer.self_attn
+    used = torch.arange(model.d2t.shape[0], device=ids.device) + model.d2t
+    tgt_argmax = target_logits.argmax(-1)
+    tgt_in_vocab = model.t2d[tgt_argmax]
+    tgt_p = target_logits[:, used].float().softmax(-1)           # restricted, renormalised
+    tgt_d = tgt_p.argmax(-1)
+    hidden = model.combine_hidden_states(aux)
+    k0 = v0 = None
+    diag_k: list = []
+    diag_v: list = []
+    total = ids.new_zeros((), dtype=torch.float32)
+    stats = []
+    h = hidden
+    for i in range(steps):
+        n = L - 2 - i
+        if n <= 0:
+            break
+        t = torch.arange(n, device=ids.device)
+        tok = ids[t + i + 1]
+        emb = model.embed_tokens(tok)
+        hin = h[:n]
+        x = torch.cat([layer.input_layernorm(emb), layer.hidden_norm(hin)], dim=-1)
+        a, k, v = _attn_ttt(attn, x, t + i, model.rotary, k0, v0,
+                            None if i == 0 else diag_k, None if i == 0 else diag_v, t)
+        if i == 0:
+            k0, v0 = k, v
+        else:
+            diag_k.append(k)
+            diag_v.append(v)
+        hmid = hin + a
+        h = hmid + layer.mlp(layer.post_attention_layernorm(hmid))
+        logits = model.lm_head(model.norm(h)).float()
+        rows = t + i + 1
+        m = (loss_mask[t + i + 2] > 0) & tgt_in_vocab[rows]
+        cnt = int(m.sum())
+        if cnt == 0:
+            stats.append((0, 0))
+            continue
+        logp = logits.log_softmax(-1)
+        ce = -(tgt_p[rows] * logp).sum(-1)
+        loss_i = (ce * m).sum() / cnt
+        total = total + (decay ** i) * loss_i
+        correct = int(((logits.argmax(-1) == tgt_d[rows]) & m).sum())
+        stats.append((correct, cnt))
+    return total, stats
+
+
+# ---------------------------------------------------------------------------------------------
+def build_draft(target, d2t, t2d, max_position: int) -> Eagle3LlamaForCausalLM:
+    tc: ModelConfig = target.config
+    dcfg = ModelConfig(architecture="llama", vocab_size=tc.vocab_size, hidden_size=tc.hidden_size,
+                       intermediate_size=tc.intermediate_size, num_hidden_layers=1,
+                       num_attention_heads=tc.num_attention_heads, num_key_value_heads=tc.num_key_value_heads,
+                       head_dim=tc.head_dim, rms_norm_eps=tc.rms_norm_eps, rope_theta=tc.rope_theta,
+                       rope_scaling=tc.rope_scaling, max_position_embeddings=tc.max_position_embeddings)
+    model = Eagle3LlamaForCausalLM(dcfg, tc.hidden_size, d2t.shape[0], tc.vocab_size, 0, max_position,
+                                   len(target.get_eagle3_aux_hidden_state_layers()))
+    with torch.no_grad():
+        model.d2t.copy_(d2t)
+        model.t2d.copy_(t2d)
+        used = torch.arange(d2t.shape[0]) + d2t
+        model.lm_head.weight.copy_(target.lm_head.weight[used].float())
+        model.norm.weight.copy_(target.norm.weight.float())
+        model.fc.weight.normal_(0, 0.02)
+    model.embed_tokens = target.embed_tokens           # frozen, shared, not exported
+    return model
+
+
+def _lr_at(step: int, cfg: TrainConfig) -> float:
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    prog = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.total_steps - cfg.warmup_steps))
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * prog)))
+
+
+def expected_acceptance_length(step_acc: list[float]) -> float:
+    """1 + sum_i prod_{j<=i} acc_j: acceptance length implied by conditional per-step accuracies."""
+    out, run = 1.0, 1.0
+    for a in step_acc:
+        run *= a
+        out += run
+    return out
+
+
+@torch.no_grad()
+def evaluate(model, featurize, examples, steps) -> list[float]:
+    corr = [0] * steps
+    cnt = [0] * steps
+    for ex in examples:
+        aux, logits = featurize(ex.input_ids)
+        ids = torch.tensor(ex.input_ids)
+        _, st = ttt_forward(model, ids, aux, logits, torch.tensor(ex.loss_mask), steps, 0.8)
+        for i, (c, n) in enumerate(st):
+            corr[i] += c
+            cnt[i] += n
+    return [c / n if n else 0.0 for c, n in zip(corr, cnt)]
+
+
+def train_eagle3(cfg: TrainConfig, progress: bool = True) -> str:
+    """Train (or resume) and export; returns the export directory."""
+    from tqdm import tqdm
+    from draftwise.models.loader import load_target_model, load_tokenizer
+    from draftwise.training.data import iter_examples
+    from draftwise.training.vocab import build_draft_vocab, count_tokens
+
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    torch.manual_seed(cfg.seed)
+    os.makedirs(cfg.out, exist_ok=True)
+    target, tcfg, tpath = load_target_model(cfg.target, torch.float32, "cpu", max_position=cfg.max_len + 64)
+    for p in target.parameters():
+        p.requires_grad_(False)
+    tok = load_tokenizer(tpath)
+    if tok is None:
+        raise ValueError(f"target {cfg.target} has no tokenizer/chat template; training needs one")
+    aux_layers = target.get_eagle3_aux_hidden_state_layers()
+    target.set_aux_hidden_state_layers(aux_layers)
+    featurize = TargetFeaturizer(target, cfg.max_len)
+    ckpt_path = os.path.join(cfg.out, "trainer_state.pt")
+    state = torch.load(ckpt_path, weights_only=False) if os.path.exists(ckpt_path) else None
+    if state is not None:
+        d2t, t2d = state["d2t"], state["t2d"]
+        coverage = state.get("coverage", 0.0)
+    else:
+        it = iter_examples(tok, cfg.data, "train", cfg.max_len)
+        counter = count_tokens(ex for _, ex in zip(range(cfg.vocab_examples), it))
+        eos = list(tcfg.eos_token_ids)
+        d2t, t2d, coverage = build_draft_vocab(counter, tcfg.vocab_size, cfg.draft_vocab_size, always=eos)
+    model = build_draft(target, d2t, t2d, cfg.max_len + cfg.ttt_steps + 64)
+    params = [p for n, p in model.named_parameters() if not n.startswith("embed_tokens")]
+    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    step, consumed, tokens_seen = 0, 0, 0
+    log_path = os.path.join(cfg.out, "train_log.jsonl")
+    if state is not None:
+        model.load_state_dict(state["model"], strict=False)
+        opt.load_state_dict(state["opt"])
+        step, consumed, tokens_seen = state["step"], state["consumed"], state["tokens_seen"]
+    heldout = [ex for _, ex in zip(range(cfg.eval_examples), iter_examples(tok, cfg.data, "heldout", cfg.max_len))]
+    data = iter_examples(tok, cfg.data, "train", cfg.max_len)
+    for _ in range(consumed):
+        next(data, None)
+    bar = tqdm(total=cfg.total_steps, initial=step, desc="train eagle3", disable=not progress,
+               dynamic_ncols=True)
+    t_start = time.time()
+    while step < cfg.total_steps:
+        opt.zero_grad(set_to_none=True)
+        n_tok = 0
+        corr = [0] * cfg.ttt_steps
+        cnt = [0] * cfg.ttt_steps
+        loss_sum, n_seq = 0.0, 0
+        while n_tok < cfg.tokens_per_step:
+            ex = next(data, None)
+            if ex is None:           # epoch boundary: start over
+                data = iter_examples(tok, cfg.data, "train", cfg.max_len)
+                consumed = 0
+                ex = next(data)
+            consumed += 1
+            aux, logits = featurize(ex.input_ids)
+            ids = torch.tensor(ex.input_ids)
+            loss, st = ttt_forward(model, ids, aux, logits, torch.tensor(ex.loss_mask), cfg.ttt_steps,
+                                   cfg.loss_decay)
+            if loss.requires_grad:
+                (loss * len(ex.input_ids) / cfg.tokens_per_step).backward()
+            loss_sum += float(loss)
+            n_seq += 1
+            n_tok += len(ex.input_ids)
+            for i, (c, n) in enumerate(st):
+                corr[i] += c
+                cnt[i] += n
+        torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+        for g in opt.param_groups:
+            g["lr"] = _lr_at(step, cfg)
+        opt.step()
+        step += 1
+        tokens_seen += n_tok
+        acc = [c / n if n else 0.0 for c, n in zip(corr, cnt)]
+        bar.set_postfix(loss=f"{loss_sum / max(1, n_seq):.3f}", acc=" ".join(f"{a:.2f}" for a in acc[:4]))
+        bar.update(1)
+        rec = {"step": step, "tokens": tokens_seen, "loss": loss_sum / max(1, n_seq), "acc": acc,
+               "lr": _lr_at(step - 1, cfg), "elapsed_s": time.time() - t_start}
+        if step % cfg.eval_every == 0 or step == cfg.total_steps:
+            ev = evaluate(model, featurize, heldout, cfg.ttt_steps)
+            rec["heldout_acc"] = ev
+            rec["heldout_expected_acceptance_length"] = expected_acceptance_length(ev)
+        with open(log_path, "a") as f:
+            f.write(json.dumps(rec) + "\n")
+        if step % cfg.save_every == 0 or step == cfg.total_steps:
+            _save(cfg, model, opt, step, consumed, tokens_seen, d2t, t2d, coverage, aux_layers)
+    bar.close()
+    return os.path.join(cfg.out, "export")
+
+
+def _save(cfg, model, opt, step, consumed, tokens_seen, d2t, t2d, coverage, aux_layers):
+    sd = {k: v for k, v in model.state_dict().items() if not k.startswith("embed_tokens")}
+    tmp = os.path.join(cfg.out, "trainer_state.pt.tmp")
+    torch.save({"model": sd, "opt": opt.state_dict(), "step": step, "consumed": consumed,
+                "tokens_seen": tokens_seen, "d2t": d2t, "t2d": t2d, "coverage": coverage,
+                "config": asdict(cfg)}, tmp)
+    os.replace(tmp, os.path.join(cfg.out, "trainer_state.pt"))
+    dtype = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}[cfg.export_dtype]
+    save_eagle3_checkpoint(os.path.join(cfg.out, "export"), model,
+                           {"eagle_aux_hidden_state_layer_ids": list(aux_layers),
+                            "draftwise_training": {"steps": step, "tokens_seen": tokens_seen,
+                                                   "draft_vocab_coverage": round(coverage, 4),
+                                                   "ttt_steps": cfg.ttt_steps}}, dtype)
