@@ -121,7 +121,8 @@ class LLMEngine:
         now = time.time()
         for s, new, acc in zip(sched.scheduled, step.new_token_ids, step.num_accepted):
             req = s.request
-            if not new:
+            if not new:                       # an unfinished prefill chunk: only account for it
+                self.scheduler.update(s, [], 0)
                 continue
             if req.metrics.first_token_time is None:
                 req.metrics.first_token_time = now

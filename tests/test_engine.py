@@ -1,0 +1,133 @@
+"""Scheduler, KV cache, sampler and API behaviour of the engine."""
+import pytest
+import torch
+
+from draftwise import LLM, SamplingParams
+from draftwise.layers.attention import AttentionMetadata, CAUSAL, NONCAUSAL, TREE
+from draftwise.sample.sampler import SamplingMetadata, apply_top_k_top_p
+
+GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+PROMPTS = [[5, 6, 7, 8], [3] * 17, list(range(30, 61)), [9, 9], list(range(200, 211)), [1, 2, 3],
+           list(range(60, 90)), [44] * 5]
+
+
+def _ids(outs):
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def test_batch_invariance_and_chunked_prefill(tiny_llama):
+    path, _ = tiny_llama
+    llm = LLM(path, block_size=4, max_model_len=256, max_num_seqs=8)
+    batch = _ids(llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY))
+    alone = [_ids(llm.generate([{"prompt_token_ids": p}], GREEDY))[0] for p in PROMPTS]
+    assert batch == alone
+    chunked = LLM(path, block_size=4, max_model_len=256, max_num_seqs=8, max_num_batched_tokens=8)
+    assert _ids(chunked.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY)) == batch
+
+
+def test_preemption_keeps_greedy_outputs(tiny_llama):
+    path, _ = tiny_llama
+    ref = _ids(LLM(path, block_size=4, max_model_len=128).generate(
+        [{"prompt_token_ids": p} for p in PROMPTS], GREEDY))
+    small = LLM(path, block_size=4, max_model_len=64, max_num_seqs=8, num_kv_blocks=24)
+    outs = small.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY)
+    assert _ids(outs) == ref
+    assert sum(r.num_preemptions for r in []) == 0  # requests are gone; check via scheduler counters below
+    assert small.engine.scheduler.allocator.num_used == 0
+
+
+def test_preemption_actually_happens(tiny_llama):
+    path, _ = tiny_llama
+    llm = LLM(path, block_size=4, max_model_len=64, max_num_seqs=8, num_kv_blocks=24)
+    eng = llm.engine
+    for p in PROMPTS:
+        eng.add_request({"prompt_token_ids": p}, GREEDY)
+    reqs = list(eng.requests.values())
+    while eng.has_unfinished_requests():
+        eng.step()
+    assert sum(r.num_preemptions for r in reqs) > 0
+
+
+def test_seeded_sampling_is_reproducible_across_batches(tiny_llama):
+    path, _ = tiny_llama
+    llm = LLM(path, block_size=4, max_model_len=128)
+    sp = SamplingParams(temperature=0.9, top_k=50, top_p=0.9, max_tokens=12, seed=1234, ignore_eos=True)
+    alone = _ids(llm.generate([{"prompt_token_ids": [5, 6, 7]}], sp))[0]
+    others = [SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)] * 3
+    mixed = _ids(llm.generate([{"prompt_token_ids": p} for p in ([[5, 6, 7]] + PROMPTS[:3])], [sp] + others))
+    assert mixed[0] == alone
+    other_seed = _ids(llm.generate([{"prompt_token_ids": [5, 6, 7]}],
+                                   SamplingParams(temperature=0.9, top_k=50, top_p=0.9, max_tokens=12, seed=99,
+                                                  ignore_eos=True)))[0]
+    assert other_seed != alone
+
+
+def test_stops_on_eos_and_max_model_len(tiny_llama):
+    path, _ = tiny_llama
+    llm = LLM(path, block_size=4, max_model_len=40)
+    out = llm.generate([{"prompt_token_ids": list(range(30, 61))}], SamplingParams(temperature=0, max_tokens=100,
+                                                                                   ignore_eos=True))[0]
+    assert len(out.prompt_token_ids) + len(out.outputs[0].token_ids) == 40
+    assert out.outputs[0].finish_reason == "length"
+    ref = _ids(llm.generate([{"prompt_token_ids": [5, 6, 7]}], GREEDY))[0]
+    stop_tok = ref[3]
+    out = llm.generate([{"prompt_token_ids": [5, 6, 7]}],
+                       SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[stop_tok], ignore_eos=True))[0]
+    assert out.outputs[0].token_ids == ref[:ref.index(stop_tok) + 1]
+    assert out.outputs[0].finish_reason == "stop"
+
+
+def test_bad_input_raises_clear_errors(tiny_llama, tmp_path):
+    path, _ = tiny_llama
+    with pytest.raises(ValueError, match="does not exist|neither"):
+        LLM(str(tmp_path / "nope"))
+    llm = LLM(path, block_size=4, max_model_len=32)
+    with pytest.raises(ValueError, match="max_model_len"):
+        llm.generate([{"prompt_token_ids": list(range(40))}], GREEDY)
+    assert not llm.engine.has_unfinished_requests()
+    with pytest.raises(ValueError, match="max_tokens"):
+        SamplingParams(max_tokens=0)
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=-0.5)
+    for bad in (0.0, 1.5):
+        with pytest.raises(ValueError, match="top_p"):
+            SamplingParams(top_p=bad)
+    with pytest.raises(ValueError, match="no tokenizer"):
+        llm.generate(["hello"], GREEDY)
+
+
+def test_attention_masks():
+    bt = torch.arange(8)[None].repeat(2, 1)
+    slots = torch.arange(5)
+    m = AttentionMetadata(slots, [3, 2], [5, 4], bt, 4, CAUSAL).finalize()
+    a = m.attn_mask[:, 0]
+    # request 0: context 2, queries at entries 2,3,4 causal
+    assert a[0, 0].tolist() == [True, True, True, False, False]
+    assert a[0, 2].tolist() == [True] * 5
+    # request 1: context 2, 2 queries
+    assert a[1, 1].tolist() == [True, True, True, True, False]
+    n = AttentionMetadata(slots, [3, 2], [5, 4], bt, 4, NONCAUSAL).finalize()
+    assert n.attn_mask[0, 0, 0].tolist() == [True] * 5
+    tm = torch.zeros(2, 3, 3, dtype=torch.bool)
+    tm[0] = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)
+    tm[1, :2, :2] = torch.eye(2, dtype=torch.bool)
+    t = AttentionMetadata(slots, [3, 2], [5, 4], bt, 4, TREE, tm).finalize()
+    assert t.attn_mask[0, 0, 2].tolist() == [True, True, True, False, True]
+    assert t.attn_mask[1, 0, 1].tolist() == [True, True, False, True, False]
+
+
+def test_top_k_top_p_filtering():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05], [0.5, 0.3, 0.15, 0.05]]))
+    out = apply_top_k_top_p(logits.clone(), torch.tensor([2, 0]), torch.tensor([1.0, 0.7]))
+    assert torch.isfinite(out[0]).tolist() == [True, True, False, False]
+    assert torch.isfinite(out[1]).tolist() == [True, True, False, False]
+
+
+def test_streaming_yields_incremental_tokens(tiny_llama):
+    path, _ = tiny_llama
+    llm = LLM(path, block_size=4, max_model_len=128)
+    chunks = list(llm.stream({"prompt_token_ids": [5, 6, 7]}, GREEDY))
+    assert chunks[-1].finished
+    streamed = [t for c in chunks for t in c.new_token_ids]
+    assert streamed == chunks[-1].outputs[0].token_ids
+    assert len(chunks) == 20
