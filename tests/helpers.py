@@ -60,3 +60,58 @@ def write_eagle3_checkpoint(path, target_cfg: dict, draft_vocab=None, fmt="safet
 def load_cfg(path):
     with open(os.path.join(path, "config.json")) as f:
         return json.load(f)
+
+
+def write_dflash_checkpoint(path, target_cfg: dict, block_size=4, num_layers=2, target_layer_ids=(0, 2),
+                            mask_token_id=None, fmt="safetensors", seed=0, dtype=torch.bfloat16,
+                            scale=0.05, prefix="", ids_location="dflash_config", num_target_layers=None,
+                            rope_theta=1000000.0):
+    """A DFlash drafter in the exact published z-lab layout (random weights): config.json with
+    architectures ["DFlashDraftModel"], model_type qwen3, block_size, dflash_config {mask_token_id,
+    target_layer_ids} (or the ids at the top level: ids_location="top"), and unfused tensors
+    fc / hidden_norm / norm / layers.{i}.self_attn.{q,k,v,o}_proj, {q,k}_norm, mlp.{gate,up,down}_proj,
+    input/post_attention_layernorm. No embedding, no LM head."""
+    g = torch.Generator().manual_seed(seed)
+    H = target_cfg["hidden_size"]
+    V = target_cfg["vocab_size"]
+    heads = target_cfg["num_attention_heads"]
+    kv = target_cfg.get("num_key_value_heads", heads)
+    hd = target_cfg.get("head_dim", H // heads)
+    I = target_cfg["intermediate_size"]
+    ids = list(target_layer_ids)
+    mask = V - 1 if mask_token_id is None else mask_token_id
+    r = lambda *s: (torch.randn(*s, generator=g) * scale).to(dtype)  # noqa: E731
+    n = lambda *s: (1 + 0.1 * torch.randn(*s, generator=g)).to(dtype)  # noqa: E731
+    t = {"fc.weight": r(H, len(ids) * H), "hidden_norm.weight": n(H), "norm.weight": n(H)}
+    for i in range(num_layers):
+        p = f"layers.{i}."
+        t.update({
+            p + "self_attn.q_proj.weight": r(heads * hd, H), p + "self_attn.k_proj.weight": r(kv * hd, H),
+            p + "self_attn.v_proj.weight": r(kv * hd, H), p + "self_attn.o_proj.weight": r(H, heads * hd),
+            p + "self_attn.q_norm.weight": n(hd), p + "self_attn.k_norm.weight": n(hd),
+            p + "mlp.gate_proj.weight": r(I, H), p + "mlp.up_proj.weight": r(I, H),
+            p + "mlp.down_proj.weight": r(H, I),
+            p + "input_layernorm.weight": n(H), p + "post_attention_layernorm.weight": n(H),
+        })
+    t = {prefix + k: v.contiguous() for k, v in t.items()}
+    os.makedirs(path, exist_ok=True)
+    if fmt == "safetensors":
+        from safetensors.torch import save_file
+        save_file(t, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    else:
+        torch.save(t, os.path.join(path, "pytorch_model.bin"))
+    cfg = {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", "block_size": block_size,
+           "hidden_size": H, "intermediate_size": I, "num_hidden_layers": num_layers,
+           "num_target_layers": num_target_layers or target_cfg["num_hidden_layers"],
+           "num_attention_heads": heads, "num_key_value_heads": kv, "head_dim": hd, "hidden_act": "silu",
+           "rms_norm_eps": 1e-6, "rope_theta": rope_theta, "max_position_embeddings": 2048,
+           "vocab_size": V, "attention_bias": False, "tie_word_embeddings": False,
+           "torch_dtype": str(dtype).replace("torch.", "")}
+    if ids_location == "top":
+        cfg["target_layer_ids"] = ids
+        cfg["dflash_config"] = {"mask_token_id": mask}
+    else:
+        cfg["dflash_config"] = {"mask_token_id": mask, "target_layer_ids": ids}
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    return path
