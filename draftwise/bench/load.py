@@ -1,0 +1,179 @@
+"""A bounded load test against a running OpenAI-compatible server (`draftwise serve`).
+
+    python -m draftwise.bench.load --url http://127.0.0.1:8000 --num-requests 200 --concurrency 8
+
+Sends `num_requests` completions (or chat) requests with at most `concurrency` in flight and prints
+throughput (requests/s, output tokens/s) and latency percentiles (end-to-end, and time to first
+token when streaming). Only loopback URLs are accepted unless --allow-remote is given.
+"""
+import argparse
+import asyncio
+import ipaddress
+import json
+import math
+import time
+from urllib.parse import urlparse
+
+DEFAULT_PROMPTS = [
+    "Write a short story about a lighthouse keeper.",
+    "Explain speculative decoding in two sentences.",
+    "List five uses for a paper clip.",
+    "What is the capital of France, and why is it famous?",
+    "Describe the water cycle to a ten-year-old.",
+    "Give me a haiku about autumn leaves.",
+    "Summarize the plot of a detective novel you invent.",
+    "How does a hash table work?",
+]
+
+
+def _percentile(xs: list[float], q: float) -> float:
+    if not xs:
+        return float("nan")
+    s = sorted(xs)
+    k = max(0, min(len(s) - 1, math.ceil(q / 100 * len(s)) - 1))   # nearest-rank
+    return s[k]
+
+
+def _is_loopback(url: str) -> bool:
+    host = urlparse(url).hostname or ""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+async def _run(url: str, num_requests: int, concurrency: int, max_tokens: int, prompts: list[str],
+               model: str | None, api_key: str | None, stream: bool, chat: bool, temperature: float,
+               timeout: float) -> dict:
+    import httpx
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    base = url.rstrip("/")
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(base_url=base, headers=headers, timeout=timeout, limits=limits) as client:
+        if model is None:
+            r = await client.get("/v1/models")
+            r.raise_for_status()
+            model = r.json()["data"][0]["id"]
+        sem = asyncio.Semaphore(concurrency)
+        latencies, ttfts, errors = [], [], []
+        tokens = {"prompt": 0, "completion": 0}
+
+        async def one(i: int) -> None:
+            p = prompts[i % len(prompts)]
+            body = {"model": model, "max_tokens": max_tokens, "temperature": temperature, "ignore_eos": True}
+            if chat:
+                body["messages"] = [{"role": "user", "content": p}]
+                path = "/v1/chat/completions"
+            else:
+                body["prompt"] = p
+                path = "/v1/completions"
+            async with sem:
+                t0 = time.perf_counter()
+                try:
+                    if stream:
+                        body["stream"] = True
+                        body["stream_options"] = {"include_usage": True}
+                        usage, first = None, None
+                        async with client.stream("POST", path, json=body) as r:
+                            if r.status_code != 200:
+                                await r.aread()
+                                raise RuntimeError(f"HTTP {r.status_code}: {r.text[:200]}")
+                            async for line in r.aiter_lines():
+                                if not line.startswith("data: ") or line == "data: [DONE]":
+                                    continue
+                                ev = json.loads(line[6:])
+                                if "error" in ev:
+                                    raise RuntimeError(ev["error"].get("message"))
+                                if first is None and ev.get("choices"):
+                                    first = time.perf_counter()
+                                if ev.get("usage"):
+                                    usage = ev["usage"]
+                        if first is not None:
+                            ttfts.append(first - t0)
+                    else:
+                        r = await client.post(path, json=body)
+                        if r.status_code != 200:
+                            raise RuntimeError(f"HTTP {r.status_code}: {r.text[:200]}")
+                        usage = r.json().get("usage")
+                    latencies.append(time.perf_counter() - t0)
+                    if usage:
+                        tokens["prompt"] += usage["prompt_tokens"]
+                        tokens["completion"] += usage["completion_tokens"]
+                except Exception as e:          # noqa: BLE001 - count and go on
+                    errors.append(str(e) or type(e).__name__)
+
+        t_start = time.perf_counter()
+        await asyncio.gather(*(one(i) for i in range(num_requests)))
+        wall = time.perf_counter() - t_start
+
+    ok = len(latencies)
+    res = {
+        "url": base, "model": model, "num_requests": num_requests, "concurrency": concurrency,
+        "max_tokens": max_tokens, "stream": stream, "chat": chat,
+        "completed": ok, "errors": len(errors), "wall_s": wall,
+        "requests_per_s": ok / wall if wall > 0 else 0.0,
+        "output_tokens_per_s": tokens["completion"] / wall if wall > 0 else 0.0,
+        "prompt_tokens": tokens["prompt"], "completion_tokens": tokens["completion"],
+        "latency_p50_s": _percentile(latencies, 50), "latency_p99_s": _percentile(latencies, 99),
+        "latency_mean_s": sum(latencies) / ok if ok else float("nan"),
+    }
+    if stream:
+        res["ttft_p50_s"] = _percentile(ttfts, 50)
+        res["ttft_p99_s"] = _percentile(ttfts, 99)
+    if errors:
+        res["first_errors"] = errors[:5]
+    return res
+
+
+def run_load_test(url: str = "http://127.0.0.1:8000", num_requests: int = 200, concurrency: int = 8,
+                  max_tokens: int = 64, prompts: list[str] | None = None, model: str | None = None,
+                  api_key: str | None = None, stream: bool = True, chat: bool = False,
+                  temperature: float = 0.0, timeout: float = 600.0, allow_remote: bool = False) -> dict:
+    """Run the load test and return its summary (see `format_results`)."""
+    if num_requests < 1 or concurrency < 1 or max_tokens < 1:
+        raise ValueError("num_requests, concurrency and max_tokens must be >= 1")
+    if not allow_remote and not _is_loopback(url):
+        raise ValueError(f"{url} is not a loopback address (pass allow_remote=True / --allow-remote)")
+    return asyncio.run(_run(url, num_requests, min(concurrency, num_requests), max_tokens,
+                            prompts or DEFAULT_PROMPTS, model, api_key, stream, chat, temperature, timeout))
+
+
+def format_results(r: dict) -> str:
+    lines = [f"{r['completed']}/{r['num_requests']} requests ok ({r['errors']} errors), concurrency "
+             f"{r['concurrency']}, max_tokens {r['max_tokens']}, {'stream' if r['stream'] else 'no stream'}, "
+             f"{'chat' if r['chat'] else 'completions'}, in {r['wall_s']:.2f}s",
+             f"throughput: {r['requests_per_s']:.2f} req/s, {r['output_tokens_per_s']:.1f} output tokens/s "
+             f"({r['completion_tokens']} output, {r['prompt_tokens']} prompt tokens)",
+             f"latency: p50 {r['latency_p50_s'] * 1000:.0f} ms, p99 {r['latency_p99_s'] * 1000:.0f} ms, "
+             f"mean {r['latency_mean_s'] * 1000:.0f} ms"]
+    if "ttft_p50_s" in r:
+        lines.append(f"time to first token: p50 {r['ttft_p50_s'] * 1000:.0f} ms, p99 {r['ttft_p99_s'] * 1000:.0f} ms")
+    for e in r.get("first_errors", []):
+        lines.append(f"error: {e}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m draftwise.bench.load", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--url", default="http://127.0.0.1:8000")
+    ap.add_argument("--num-requests", type=int, default=200)
+    ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--model", default=None, help="default: the first id of /v1/models")
+    ap.add_argument("--api-key", default=None)
+    ap.add_argument("--no-stream", action="store_true")
+    ap.add_argument("--chat", action="store_true")
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--allow-remote", action="store_true")
+    ap.add_argument("--json", action="store_true", help="print the summary as JSON")
+    a = ap.parse_args(argv)
+    res = run_load_test(a.url, a.num_requests, a.concurrency, a.max_tokens, model=a.model, api_key=a.api_key,
+                        stream=not a.no_stream, chat=a.chat, temperature=a.temperature,
+                        allow_remote=a.allow_remote)
+    print(json.dumps(res, indent=2) if a.json else format_results(res))
+
+
+if __name__ == "__main__":
+    main()

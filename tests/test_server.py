@@ -1,0 +1,410 @@
+"""The OpenAI-compatible server (`draftwise serve`) against a real uvicorn on loopback, with the
+official `openai` client: outputs equal the offline `LLM` ones, concurrency, 400s, disconnects,
+API keys, graceful shutdown and /metrics."""
+import json
+import re
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+pytest.importorskip("prometheus_client")
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+
+from conftest import make_tiny_hf  # noqa: E402
+from tokenizer_util import add_tiny_tokenizer  # noqa: E402
+
+from draftwise import LLM, SamplingParams  # noqa: E402
+from draftwise.entrypoints.openai_server import build_app  # noqa: E402
+
+MAX_LEN = 256
+NAME = "tiny-test"
+SPEC = {"method": "ngram", "num_speculative_tokens": 3}
+ENGINE_KW = dict(max_model_len=MAX_LEN, max_num_seqs=8, block_size=16, seed=0)
+
+PROMPTS = ["Hello world, how are you today?", "The quick brown fox", "Write a short poem about the sea.",
+           "What is the capital of France?", "Numbers like 42 and 2024", "Once upon a time there was",
+           "Continuous batching lets new requests join", "A paged key value cache stores"]
+
+
+class ServerThread:
+    """uvicorn serving `app` from a background thread on a free 127.0.0.1 port."""
+
+    def __init__(self, app):
+        import uvicorn
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=10))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        deadline = time.time() + 30
+        while not self.server.started:
+            if time.time() > deadline or not self.thread.is_alive():
+                raise RuntimeError("server did not start")
+            time.sleep(0.02)
+        return self
+
+    def stop(self):
+        self.server.should_exit = True
+        self.thread.join(30)
+        assert not self.thread.is_alive()
+
+    def __exit__(self, *exc):
+        if self.thread.is_alive():
+            self.stop()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    path = str(tmp_path_factory.mktemp("tiny_serve"))
+    make_tiny_hf(path, "llama")
+    add_tiny_tokenizer(path)
+    yield path
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def offline(model_dir):
+    return LLM(model_dir, speculative_config=SPEC, **ENGINE_KW)
+
+
+@pytest.fixture(scope="module")
+def server(model_dir):
+    llm = LLM(model_dir, speculative_config=SPEC, **ENGINE_KW)
+    with ServerThread(build_app(llm, NAME)) as srv:
+        srv.llm = llm
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def scrape(url: str) -> dict:
+    """Prometheus text -> {'name{labels}': value}."""
+    text = httpx.get(url + "/metrics").text
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            k, v = line.rsplit(" ", 1)
+            out[k] = float(v)
+    return out
+
+
+def greedy(n, **kw):
+    return SamplingParams(temperature=0.0, max_tokens=n, **kw)
+
+
+# ----------------------------------------------------------------------------------------------------
+def test_models_health_metrics(server, client):
+    assert [m.id for m in client.models.list().data] == [NAME]
+    assert httpx.get(server.url + "/health").status_code == 200
+    r = httpx.get(server.url + "/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    for name in ("draftwise_requests_total", "draftwise_time_to_first_token_seconds_bucket",
+                 "draftwise_time_per_output_token_seconds_bucket", "draftwise_num_requests_running",
+                 "draftwise_num_requests_waiting", "draftwise_kv_blocks_used",
+                 "draftwise_spec_decode_num_drafts_total", "draftwise_spec_decode_num_draft_tokens_total",
+                 "draftwise_spec_decode_num_accepted_tokens_total"):
+        assert name in r.text, name
+    assert httpx.get(server.url + "/nope").status_code == 404
+
+
+def test_completions_match_offline(server, client, offline):
+    prompts = PROMPTS[:3]
+    ref = offline.generate(prompts, greedy(20))
+    for p, want in zip(prompts, ref):
+        r = client.completions.create(model=NAME, prompt=p, max_tokens=20, temperature=0)
+        assert r.object == "text_completion" and len(r.choices) == 1
+        assert r.choices[0].text == want.outputs[0].text
+        assert r.choices[0].finish_reason == ("length" if want.outputs[0].finish_reason == "length" else "stop")
+        assert r.usage.prompt_tokens == len(want.prompt_token_ids)
+        assert r.usage.completion_tokens == len(want.outputs[0].token_ids)
+        assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+
+        chunks = list(client.completions.create(model=NAME, prompt=p, max_tokens=20, temperature=0, stream=True,
+                                                stream_options={"include_usage": True}))
+        text = "".join(c.choices[0].text for c in chunks if c.choices)
+        assert text == want.outputs[0].text
+        finals = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+        assert len(finals) == 1
+        assert chunks[-1].usage.completion_tokens == len(want.outputs[0].token_ids)
+    # token-id prompts work too
+    ids = offline.tokenizer(prompts[0], add_special_tokens=False).input_ids
+    r = client.completions.create(model=NAME, prompt=ids, max_tokens=20, temperature=0)
+    assert r.choices[0].text == ref[0].outputs[0].text
+
+
+def test_chat_matches_offline(server, client, offline):
+    msgs = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hello there!"}]
+    (want,) = offline.chat(msgs, greedy(24))
+    r = client.chat.completions.create(model=NAME, messages=msgs, max_tokens=24, temperature=0)
+    assert r.object == "chat.completion"
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].message.content == want.outputs[0].text
+    assert r.usage.prompt_tokens == len(want.prompt_token_ids)
+    assert r.usage.completion_tokens == len(want.outputs[0].token_ids)
+
+    chunks = list(client.chat.completions.create(model=NAME, messages=msgs, max_tokens=24, temperature=0,
+                                                 stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == want.outputs[0].text
+    assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+
+    # the raw SSE framing ends with [DONE]
+    with httpx.stream("POST", server.url + "/v1/chat/completions", timeout=30,
+                      json={"model": NAME, "messages": msgs, "max_tokens": 4, "stream": True}) as resp:
+        assert resp.headers["content-type"].startswith("text/event-stream")
+        lines = [ln for ln in resp.iter_lines() if ln]
+    assert all(ln.startswith("data: ") for ln in lines) and lines[-1] == "data: [DONE]"
+    assert json.loads(lines[-2][6:])["object"] == "chat.completion.chunk"
+
+
+def test_stop_strings_streaming_equals_offline(server, client, offline):
+    p = PROMPTS[0]
+    (full,) = offline.generate([p], greedy(30))
+    text = full.outputs[0].text
+    if len(text) < 8:
+        pytest.skip("greedy output too short to pick a stop string")
+    stop = text[4:7]
+    (want,) = offline.generate([p], greedy(30, stop=[stop]))
+    r = client.completions.create(model=NAME, prompt=p, max_tokens=30, temperature=0, stop=[stop])
+    assert r.choices[0].text == want.outputs[0].text and r.choices[0].finish_reason == "stop"
+    chunks = list(client.completions.create(model=NAME, prompt=p, max_tokens=30, temperature=0, stop=stop,
+                                            stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == want.outputs[0].text
+
+
+def test_32_concurrent_requests(server, offline):
+    prompts = [PROMPTS[i % len(PROMPTS)] + " " + str(i) for i in range(32)]
+    lens = [8 + (i % 5) * 4 for i in range(32)]
+    ref = offline.generate(prompts, [greedy(n, ignore_eos=True) for n in lens])
+    cl = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120,
+                       http_client=httpx.Client(limits=httpx.Limits(max_connections=64)))
+
+    def one(i):
+        kw = dict(model=NAME, prompt=prompts[i], max_tokens=lens[i], temperature=0, extra_body={"ignore_eos": True})
+        if i % 2:
+            return "".join(c.choices[0].text for c in cl.completions.create(stream=True, **kw))
+        return cl.completions.create(**kw).choices[0].text
+
+    with ThreadPoolExecutor(32) as ex:
+        got = list(ex.map(one, range(32)))
+    assert got == [r.outputs[0].text for r in ref]
+    m = scrape(server.url)
+    assert m["draftwise_kv_blocks_used"] == 0
+    assert m['draftwise_requests_total{outcome="length"}'] >= 32
+    assert m["draftwise_time_to_first_token_seconds_count"] >= 32
+    assert m["draftwise_spec_decode_num_draft_tokens_total"] >= m["draftwise_spec_decode_num_accepted_tokens_total"]
+
+
+BAD = [
+    ("completions", b"{not json", "malformed JSON"),
+    ("completions", b"[1, 2]", "body not an object"),
+    ("completions", {"model": "nope", "prompt": "hi"}, "unknown model"),
+    ("completions", {"model": NAME}, "missing prompt"),
+    ("completions", {"model": NAME, "prompt": 5}, "prompt wrong type"),
+    ("completions", {"model": NAME, "prompt": ""}, "empty prompt"),
+    ("completions", {"model": NAME, "prompt": [1, 99999]}, "token id out of vocab"),
+    ("completions", {"model": NAME, "prompt": "hi", "max_tokens": "5"}, "max_tokens wrong type"),
+    ("completions", {"model": NAME, "prompt": "hi", "max_tokens": 0}, "max_tokens zero"),
+    ("completions", {"model": NAME, "prompt": "hi", "max_tokens": MAX_LEN}, "max_tokens beyond context"),
+    ("completions", {"model": NAME, "prompt": "hello " * (MAX_LEN + 10), "max_tokens": 1}, "prompt too long"),
+    ("completions", {"model": NAME, "prompt": list(range(3, 3 + MAX_LEN))}, "token prompt too long"),
+    ("completions", {"model": NAME, "prompt": "hi", "temperature": "hot"}, "temperature wrong type"),
+    ("completions", {"model": NAME, "prompt": "hi", "temperature": -1}, "negative temperature"),
+    ("completions", {"model": NAME, "prompt": "hi", "top_p": 0}, "top_p zero"),
+    ("completions", {"model": NAME, "prompt": "hi", "top_k": -5}, "bad top_k"),
+    ("completions", {"model": NAME, "prompt": "hi", "n": 2}, "n > 1"),
+    ("completions", {"model": NAME, "prompt": "hi", "stop": 3}, "stop wrong type"),
+    ("completions", {"model": NAME, "prompt": "hi", "seed": "x"}, "seed wrong type"),
+    ("completions", {"model": NAME, "prompt": "hi", "stream": "yes"}, "stream wrong type"),
+    ("chat/completions", {"model": NAME}, "missing messages"),
+    ("chat/completions", {"model": NAME, "messages": []}, "empty messages"),
+    ("chat/completions", {"model": NAME, "messages": "hi"}, "messages wrong type"),
+    ("chat/completions", {"model": NAME, "messages": [{"content": "hi"}]}, "message without role"),
+    ("chat/completions", {"model": NAME, "messages": [{"role": "user", "content": 3}]}, "content wrong type"),
+    ("chat/completions", {"model": "nope", "messages": [{"role": "user", "content": "hi"}]}, "unknown model"),
+    ("chat/completions", {"model": NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": MAX_LEN},
+     "chat max_tokens beyond context"),
+    ("chat/completions", {"model": NAME, "messages": [{"role": "user", "content": "hi " * MAX_LEN}]},
+     "chat prompt too long"),
+    ("chat/completions", {"model": NAME, "messages": [{"role": "user", "content": "hi"}], "n": 3, "stream": True},
+     "streaming n > 1"),
+]
+
+
+def test_bad_inputs_get_400_and_server_keeps_serving(server, client):
+    before = scrape(server.url).get('draftwise_requests_total{outcome="rejected"}', 0)
+    with httpx.Client(base_url=server.url, timeout=30) as h:
+        for path, body, why in BAD:
+            if isinstance(body, bytes):
+                r = h.post("/v1/" + path, content=body, headers={"content-type": "application/json"})
+            else:
+                r = h.post("/v1/" + path, json=body)
+            assert r.status_code == 400, (why, r.status_code, r.text)
+            err = r.json()["error"]
+            assert err["type"] == "invalid_request_error" and err["message"], why
+            assert set(err) == {"message", "type", "param", "code"}, why
+            ok = client.completions.create(model=NAME, prompt="hi", max_tokens=2)
+            assert ok.usage.completion_tokens >= 1, why
+    assert scrape(server.url)['draftwise_requests_total{outcome="rejected"}'] == before + len(BAD)
+    assert scrape(server.url)["draftwise_kv_blocks_used"] == 0
+    # the official client surfaces them as BadRequestError
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=NAME, messages=[], max_tokens=2)
+    assert e.value.status_code == 400
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=NAME, prompt="hi", max_tokens=5, temperature=0, n=2)
+    with pytest.raises(openai.BadRequestError, match="maximum context length"):
+        client.completions.create(model=NAME, prompt="hi", max_tokens=MAX_LEN)
+
+
+def test_client_disconnect_aborts_and_frees_kv(server):
+    engine = server.llm.engine
+    real_step = engine.step
+
+    def slow_step():              # the tiny model would otherwise finish before we hang up
+        time.sleep(0.01)
+        return real_step()
+
+    before = scrape(server.url).get('draftwise_requests_total{outcome="abort"}', 0)
+    engine.step = slow_step
+    try:
+        body = {"model": NAME, "prompt": "Once upon a time", "max_tokens": 200, "ignore_eos": True,
+                "temperature": 0, "stream": True}
+        with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=30) as resp:
+            assert resp.status_code == 200
+            lines = resp.iter_lines()
+            while not next(lines).startswith("data: "):
+                pass
+            running = scrape(server.url)
+            assert running["draftwise_kv_blocks_used"] > 0 and running["draftwise_num_requests_running"] == 1
+            lines.close()             # drops the connection mid-stream
+        deadline = time.time() + 10
+        while True:
+            m = scrape(server.url)
+            if m.get('draftwise_requests_total{outcome="abort"}', 0) == before + 1 and m["draftwise_kv_blocks_used"] == 0:
+                break
+            assert time.time() < deadline, m
+            time.sleep(0.05)
+        assert m["draftwise_num_requests_running"] == 0 and m["draftwise_num_requests_waiting"] == 0
+        # a non-streaming client that gives up is aborted too
+        with pytest.raises(httpx.TimeoutException):
+            httpx.post(server.url + "/v1/chat/completions", timeout=0.3,
+                       json={"model": NAME, "messages": [{"role": "user", "content": "hi"}], "ignore_eos": True})
+        deadline = time.time() + 10
+        while True:
+            m = scrape(server.url)
+            if m['draftwise_requests_total{outcome="abort"}'] == before + 2 and m["draftwise_kv_blocks_used"] == 0:
+                break
+            assert time.time() < deadline, m
+            time.sleep(0.05)
+    finally:
+        engine.step = real_step
+    assert not engine.requests
+
+
+def test_api_key(model_dir):
+    llm = LLM(model_dir, **ENGINE_KW)
+    seen = []
+    real_add = llm.engine.add_request
+    llm.engine.add_request = lambda *a, **k: (seen.append(a), real_add(*a, **k))[1]
+    with ServerThread(build_app(llm, NAME, api_key="sekret")) as srv:
+        body = {"model": NAME, "prompt": "hi", "max_tokens": 2}
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sekret"},
+                        {"Authorization": "Basic sekret"}):
+            for path in ("/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/nope"):
+                r = httpx.post(srv.url + path, json=body, headers=headers)
+                assert r.status_code == 401, (headers, path)
+                assert r.json()["error"]["code"] == "invalid_api_key"
+        bad = openai.OpenAI(base_url=srv.url + "/v1", api_key="wrong", max_retries=0)
+        with pytest.raises(openai.AuthenticationError):
+            bad.completions.create(model=NAME, prompt="hi", max_tokens=2)
+        assert seen == []                          # the engine never saw them
+        assert httpx.get(srv.url + "/health").status_code == 200
+        m = scrape(srv.url)
+        assert m['draftwise_requests_total{outcome="unauthorized"}'] == 17
+        good = openai.OpenAI(base_url=srv.url + "/v1", api_key="sekret", max_retries=0)
+        assert good.completions.create(model=NAME, prompt="hi", max_tokens=2).usage.completion_tokens >= 1
+        assert [m.id for m in good.models.list().data] == [NAME]
+        assert len(seen) == 1
+
+
+def test_graceful_shutdown_finishes_running_requests(model_dir):
+    llm = LLM(model_dir, **ENGINE_KW)
+    real_step = llm.engine.step
+    llm.engine.step = lambda: (time.sleep(0.01), real_step())[1]
+    app = build_app(llm, NAME)
+    srv = ServerThread(app).__enter__()
+    body = {"model": NAME, "prompt": "The quick brown fox", "max_tokens": 60, "ignore_eos": True,
+            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+    lines = []
+    with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=30) as resp:
+        it = resp.iter_lines()
+        lines.append(next(it))
+        # what SIGTERM does (run_server's handle_exit): refuse new requests, let uvicorn drain
+        app.state.server.draining = True
+        r = httpx.post(srv.url + "/v1/completions", json={"model": NAME, "prompt": "hi"})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "shutting_down"
+        assert httpx.get(srv.url + "/health").status_code == 503
+        srv.server.should_exit = True
+        lines += [ln for ln in it if ln]
+    assert lines[-1] == "data: [DONE]"
+    usage = json.loads(lines[-2][6:])["usage"]
+    assert usage["completion_tokens"] == 60
+    srv.thread.join(30)
+    assert not srv.thread.is_alive()
+    assert not app.state.server.engine_loop.alive
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(srv.url + "/health", timeout=2)
+
+
+def test_metrics_spec_decode_per_position(server):
+    m = scrape(server.url)
+    per_pos = {k: v for k, v in m.items() if k.startswith("draftwise_spec_decode_num_accepted_tokens_per_pos_total")}
+    if m["draftwise_spec_decode_num_drafts_total"] > 0:
+        assert per_pos and all(re.search(r'position="\d+"', k) for k in per_pos)
+        assert sum(per_pos.values()) == m["draftwise_spec_decode_num_accepted_tokens_total"]
+
+
+def test_engine_failure_is_500_and_server_recovers(server, client):
+    engine = server.llm.engine
+    real_step = engine.step
+
+    def boom():
+        engine.step = real_step
+        raise RuntimeError("simulated kernel failure")
+
+    engine.step = boom
+    with pytest.raises(openai.InternalServerError):
+        client.completions.create(model=NAME, prompt="hi", max_tokens=4)
+    assert engine.step is real_step
+    assert client.completions.create(model=NAME, prompt="hi", max_tokens=4).usage.completion_tokens >= 1
+    assert scrape(server.url)["draftwise_kv_blocks_used"] == 0
+
+
+def test_load_bench_smoke(server):
+    from draftwise.bench.load import format_results, run_load_test
+    res = run_load_test(server.url, num_requests=6, concurrency=3, max_tokens=5)
+    assert res["completed"] == 6 and res["errors"] == 0 and res["completion_tokens"] == 30
+    assert res["requests_per_s"] > 0 and res["latency_p99_s"] >= res["latency_p50_s"] > 0
+    assert "req/s" in format_results(res)
+    res = run_load_test(server.url, num_requests=2, concurrency=2, max_tokens=3, stream=False, chat=True)
+    assert res["completed"] == 2 and res["completion_tokens"] == 6
+    with pytest.raises(ValueError, match="loopback"):
+        run_load_test("http://example.com:8000", num_requests=1)
