@@ -1,0 +1,242 @@
+"""`draftwise bench`: decoding methods side by side in one process, on one prompt set.
+
+Reports per method: output tokens/s, mean acceptance length, acceptance per draft position,
+speedup over autoregressive decoding measured in the same run, and whether greedy outputs match
+the autoregressive ones. Writes a Markdown table, a JSON file and a PNG plot."""
+from __future__ import annotations
+
+import gc
+import json
+import os
+import platform
+import time
+
+import torch
+
+from draftwise.models.loader import DEFAULT_MODEL
+
+PRESETS = {
+    "ar": None,
+    "eagle3": {"method": "eagle3", "num_speculative_tokens": 5},
+    "eagle3-k3": {"method": "eagle3", "num_speculative_tokens": 3},
+    "eagle3-tree": {"method": "eagle3", "num_speculative_tokens": 16, "eagle_topk": 4, "eagle_depth": 5},
+    "dflash": {"method": "dflash"},
+    "ngram": {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 2, "prompt_lookup_max": 4},
+}
+PEERS = ("hf", "hf-pld", "llamacpp", "llamacpp-pld")
+
+
+def add_bench_args(p) -> None:
+    p.add_argument("--model", default=DEFAULT_MODEL)
+    p.add_argument("--methods", default="ar,eagle3,ngram",
+                   help=f"comma list of {', '.join(list(PRESETS) + list(PEERS))} or name=JSON speculative config")
+    p.add_argument("--dataset", default="../shared/data/mt_bench/question.jsonl",
+                   help="question.jsonl path (Spec-Bench / MT-bench), 'sharegpt' or 'humaneval'")
+    p.add_argument("--num-prompts", type=int, default=None)
+    p.add_argument("--max-turns", type=int, default=2)
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--out", default="bench_out")
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--compile", action="store_true")
+    p.add_argument("--quantization", default=None)
+
+
+def parse_methods(s: str) -> list[tuple[str, object]]:
+    out = []
+    for item in s.split(","):
+        item = item.strip()
+        if not item:
+            continue
+        if "=" in item:
+            name, js = item.split("=", 1)
+            out.append((name, json.loads(js)))
+        elif item in PRESETS:
+            out.append((item, PRESETS[item]))
+        elif item in PEERS:
+            out.append((item, item))
+        else:
+            raise ValueError(f"unknown bench method {item!r}; known: {', '.join(list(PRESETS) + list(PEERS))}")
+    return out
+
+
+def _chat_turns(llm_or_tok, convs, generate_fn, max_turns, batch_size, bar=None):
+    """Run multi-turn conversations; the second turn follows the model's own first answer."""
+    outputs = [[] for _ in convs]
+    histories = [[] for _ in convs]
+    for turn in range(max_turns):
+        idx = [i for i, c in enumerate(convs) if turn < len(c)]
+        for b in range(0, len(idx), batch_size):
+            chunk = idx[b:b + batch_size]
+            for i in chunk:
+                histories[i].append({"role": "user", "content": convs[i][turn]})
+            texts, ids = generate_fn([histories[i] for i in chunk])
+            for i, t, tid in zip(chunk, texts, ids):
+                histories[i].append({"role": "assistant", "content": t})
+                outputs[i].append(tid)
+            if bar is not None:
+                bar.update(len(chunk))
+    return outputs
+
+
+def run_engine_method(name, spec, args, convs, bar=None) -> dict:
+    from draftwise import LLM, SamplingParams
+    llm = LLM(args.model, max_model_len=args.max_model_len, max_num_seqs=max(1, args.batch_size),
+              speculative_config=spec, enforce_eager=not args.compile, quantization=args.quantization)
+    sp = SamplingParams(temperature=0, max_tokens=args.max_tokens)
+    # warm up (allocator, kernels) outside the timed region
+    llm.generate([{"prompt_token_ids": [1, 2, 3, 4]}], SamplingParams(temperature=0, max_tokens=4))
+    eng = llm.engine
+    before = eng.spec_stats.as_dict()
+    eng.runner.timer.reset()
+    n_tokens = 0
+    gen_time = 0.0
+
+    def gen(hists):
+        nonlocal n_tokens, gen_time
+        prompts = [llm.apply_chat_template(h) for h in hists]
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, sp)
+        gen_time += time.perf_counter() - t0
+        n_tokens += sum(len(o.outputs[0].token_ids) for o in outs)
+        return [o.outputs[0].text for o in outs], [o.outputs[0].token_ids for o in outs]
+
+    outputs = _chat_turns(llm, convs, gen, args.max_turns, args.batch_size, bar)
+    after = eng.spec_stats.as_dict()
+    drafts = after["num_drafts"] - before["num_drafts"]
+    acc = after["num_accepted_tokens"] - before["num_accepted_tokens"]
+    dtoks = after["num_draft_tokens"] - before["num_draft_tokens"]
+    per_pos = [a - (before["accepted_per_position"][i] if i < len(before["accepted_per_position"]) else 0)
+               for i, a in enumerate(after["accepted_per_position"])]
+    res = {"method": name, "spec": spec, "output_tokens": n_tokens, "time_s": gen_time,
+           "tokens_per_s": n_tokens / gen_time if gen_time else 0.0,
+           "num_drafts": drafts, "num_draft_tokens": dtoks, "num_accepted": acc,
+           "mean_acceptance_length": 1 + acc / drafts if drafts else None,
+           "acceptance_per_position": [a / drafts for a in per_pos] if drafts else [],
+           "step_breakdown_s": {k: round(v, 3) for k, v in eng.runner.timer.totals.items()},
+           "num_steps": eng.runner.timer.steps, "outputs": outputs}
+    prop = eng.proposer
+    if prop is not None and hasattr(prop, "timings"):
+        res["proposer_breakdown_s"] = {k: round(v, 3) for k, v in prop.timings.items()}
+    del llm, eng
+    gc.collect()
+    return res
+
+
+def run_peer_method(name, args, convs, bar=None) -> dict:
+    from draftwise.bench.peers import make_peer
+    peer = make_peer(name, args.model, args.max_tokens)
+    n_tokens, gen_time = 0, 0.0
+
+    def gen(hists):
+        nonlocal n_tokens, gen_time
+        texts, ids = [], []
+        for h in hists:
+            t0 = time.perf_counter()
+            t, tid = peer.generate(h)
+            gen_time += time.perf_counter() - t0
+            n_tokens += len(tid)
+            texts.append(t)
+            ids.append(tid)
+        return texts, ids
+
+    outputs = _chat_turns(None, convs, gen, args.max_turns, 1, bar)
+    return {"method": name, "spec": name, "output_tokens": n_tokens, "time_s": gen_time,
+            "tokens_per_s": n_tokens / gen_time if gen_time else 0.0, "mean_acceptance_length": None,
+            "acceptance_per_position": [], "outputs": outputs}
+
+
+def run_bench(args) -> list[dict]:
+    from tqdm import tqdm
+    from draftwise.bench.datasets import load_prompts
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    convs = load_prompts(args.dataset, args.num_prompts)
+    methods = parse_methods(args.methods)
+    if methods[0][0] != "ar":
+        methods.insert(0, ("ar", None))
+    total = sum(min(len(c), args.max_turns) for c in convs) * len(methods)
+    bar = tqdm(total=total, desc="bench", dynamic_ncols=True)
+    results = []
+    for name, spec in methods:
+        bar.set_postfix(method=name)
+        if spec in PEERS:
+            try:
+                r = run_peer_method(name, args, convs, bar)
+            except (ImportError, ValueError) as e:
+                r = {"method": name, "skipped": str(e)}
+        else:
+            r = run_engine_method(name, spec, args, convs, bar)
+        results.append(r)
+    bar.close()
+    ar = results[0]
+    for r in results:
+        if "skipped" in r:
+            continue
+        r["speedup_vs_ar"] = r["tokens_per_s"] / ar["tokens_per_s"] if ar["tokens_per_s"] else None
+        pairs = [(a, b) for ca, cb in zip(ar["outputs"], r["outputs"]) for a, b in zip(ca, cb)]
+        r["greedy_match"] = sum(a == b for a, b in pairs) / len(pairs) if pairs else None
+    return results
+
+
+def machine_description() -> str:
+    return f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, " \
+           f"{torch.get_num_threads()} threads"
+
+
+def to_markdown(results: list[dict], args) -> str:
+    lines = [f"Prompts: `{args.dataset}` ({args.num_prompts or 'all'} conversations, up to {args.max_turns} turns), "
+             f"greedy, batch {args.batch_size}, up to {args.max_tokens} new tokens per turn. "
+             f"Machine: {machine_description()}.", "",
+             "| method | tokens/s | speedup vs AR | mean acc. length | acceptance per position | greedy == AR |",
+             "|---|---|---|---|---|---|"]
+    for r in results:
+        if "skipped" in r:
+            lines.append(f"| {r['method']} | skipped: {r['skipped']} | | | | |")
+            continue
+        mal = f"{r['mean_acceptance_length']:.2f}" if r.get("mean_acceptance_length") else "–"
+        pp = " ".join(f"{a:.2f}" for a in r.get("acceptance_per_position", [])) or "–"
+        gm = r.get("greedy_match")
+        gms = "–" if gm is None else ("yes" if gm == 1.0 else f"{gm:.0%}")
+        lines.append(f"| {r['method']} | {r['tokens_per_s']:.1f} | {r.get('speedup_vs_ar', 0):.2f}x | {mal} | {pp} | {gms} |")
+    return "\n".join(lines)
+
+
+def plot(results: list[dict], path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
+    for r in results:
+        if r.get("acceptance_per_position"):
+            xs = list(range(1, len(r["acceptance_per_position"]) + 1))
+            a1.plot(xs, r["acceptance_per_position"], marker="o", label=r["method"])
+    a1.set_xlabel("draft position")
+    a1.set_ylabel("fraction of drafts accepted at position")
+    a1.set_title("acceptance per position")
+    a1.legend()
+    ok = [r for r in results if "skipped" not in r]
+    a2.bar([r["method"] for r in ok], [r.get("speedup_vs_ar") or 0 for r in ok])
+    a2.axhline(1.0, color="gray", linestyle="--")
+    a2.set_ylabel("speedup vs autoregressive")
+    a2.set_title("speedup (same run)")
+    plt.setp(a2.get_xticklabels(), rotation=20)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def run_bench_cli(args) -> int:
+    results = run_bench(args)
+    os.makedirs(args.out, exist_ok=True)
+    md = to_markdown(results, args)
+    print(md)
+    with open(os.path.join(args.out, "bench.md"), "w") as f:
+        f.write(md + "\n")
+    slim = [{k: v for k, v in r.items() if k != "outputs"} for r in results]
+    with open(os.path.join(args.out, "bench.json"), "w") as f:
+        json.dump({"machine": machine_description(), "args": vars(args) | {"func": None}, "results": slim}, f,
+                  indent=2, default=str)
+    plot(results, os.path.join(args.out, "bench.png"))
+    return 0

