@@ -32,7 +32,11 @@ class AttentionMetadata:
     block_tables: torch.Tensor          # [R, max_blocks]
     block_size: int
     mask_kind: str = CAUSAL
-    tree_mask: torch.Tensor | None = None   # [R, max_q, max_q] bool, for mask_kind == TREE
+    tree_mask: torch.Tensor | None = None   # [R, max_q, M] bool, for mask_kind == TREE: query i
+    #   sees the j-th of the request's last `tree_kv_lens[r]` cache entries iff tree_mask[r, i, j];
+    #   earlier entries are always visible. tree_kv_lens defaults to query_lens (verification);
+    #   tree *drafting* passes cover all tree entries written so far.
+    tree_kv_lens: list[int] | None = None
     # derived by finalize()
     kv_slots: torch.Tensor | None = None    # [R, max_kv]
     q_index: torch.Tensor | None = None     # [R, max_q] rows of the flat batch (T = padding row)
@@ -95,8 +99,12 @@ class AttentionMetadata:
             if tm is None:
                 raise ValueError("tree attention needs tree_mask")
             R = q_lens.shape[0]
-            relc = rel.clamp(0, max_q - 1).expand(R, max_q, max_kv)
-            within = torch.gather(tm[:, :max_q, :max_q], 2, relc)
+            if self.tree_kv_lens is not None:
+                ctx = sl - torch.tensor(self.tree_kv_lens, device=q_lens.device)[:, None, None]
+                rel = kj - ctx
+            M = tm.shape[2]
+            relc = rel.clamp(0, M - 1).expand(R, max_q, max_kv)
+            within = torch.gather(tm[:, :max_q, :], 2, relc)
             allowed = valid & ((kj < ctx) | within)
         else:
             raise ValueError(f"unknown mask kind {kind!r}")
