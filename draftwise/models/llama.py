@@ -161,7 +161,7 @@ class LlamaForCausalLM(nn.Module):
     # --- SupportsEagle3 -------------------------------------------------------------------------
     def get_eagle3_aux_hidden_state_layers(self) -> tuple[int, ...]:
         n = len(self.layers)
-        return (2, n // 2, n - 3)
+        return (min(2, n - 1), n // 2, max(n - 3, 0))   # (2, N//2, N-3), clamped for tiny targets
 
     def set_aux_hidden_state_layers(self, layers: tuple[int, ...]) -> None:
         for i in layers:
