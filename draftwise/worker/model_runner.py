@@ -120,18 +120,18 @@ class ModelRunner:
         cu = torch.cumsum(torch.tensor(qlens), 0).tolist()
         num_draft = [s.num_draft_tokens for s in scheds]
         sampling = self._sampling_metadata(reqs)
-        if any_tree:
-            logits_indices = torch.arange(len(ids), device=self.device)
-        else:
-            spec_meta = SpecDecodeMetadata.build(num_draft, cu, input_ids)
-            logits_indices = spec_meta.logits_indices
+        # logits at each request's last num_draft + 1 rows (trees: the root, then the nodes)
+        spec_meta = SpecDecodeMetadata.build(num_draft, cu, input_ids)
+        logits_indices = spec_meta.logits_indices
         t1 = time.perf_counter()
         output = self.forward_fn(input_ids, positions, meta, logits_indices)
         t2 = time.perf_counter()
         accepted_rows: list[list[int]] = []
         if any_tree:
-            from draftwise.spec_decode.tree import verify_trees
+            from draftwise.spec_decode.tree import compact_tree_kv, verify_trees
             new_tokens, accepted_rows = verify_trees(output.logits, scheds, sampling, self.device)
+            compact_tree_kv(self.kv_cache, scheds, accepted_rows, block_tables, self.block_size,
+                            self.model_cfg.num_hidden_layers)
         else:
             nd = torch.tensor(num_draft, dtype=torch.long, device=self.device)
             drafts = spec_meta.draft_matrix()
