@@ -65,13 +65,14 @@ class TargetFeaturizer:
         self.block_table = torch.arange(nblocks, device=device)[None, :]
 
     @torch.no_grad()
-    def __call__(self, ids: list[int]):
+    def __call__(self, ids: list[int], rows: torch.Tensor | None = None):
         dev = self.block_table.device
         L = len(ids)
         pos = torch.arange(L, device=dev)
         slots = pos.clone()  # block table is the identity
         meta = AttentionMetadata(slots, [L], [L], self.block_table, self.block_size, CAUSAL).finalize()
-        out = self.target(torch.tensor(ids, device=dev), pos, meta, self.cache, logits_indices=pos)
+        out = self.target(torch.tensor(ids, device=dev), pos, meta, self.cache,
+                          logits_indices=pos if rows is None else rows.to(dev))
         return out.aux_hidden_states.clone(), out.logits.clone()
 
 
@@ -109,28 +110,36 @@ def _attn_ttt(attn, x, positions, rotary, k0, v0, diag_k, diag_v, t_index):
 
 
 def ttt_forward(model: Eagle3LlamaForCausalLM, ids: torch.Tensor, aux: torch.Tensor,
-                target_logits: torch.Tensor, loss_mask: torch.Tensor, steps: int, decay: float):
-    """Returns (weighted loss, per-step (correct, count))."""
+                target_logits: torch.Tensor, loss_mask: torch.Tensor, steps: int, decay: float,
+                target_rows: torch.Tensor | None = None):
+    """Returns (weighted loss, per-step (correct, count)).
+
+    `target_logits` holds the target's logits at `target_rows` (all rows when None); only rows
+    that predict an assistant token need them, and the draft LM head is evaluated only there."""
     L = ids.shape[0]
+    dev = ids.device
     layer = model.midlayer
     attn = layer.self_attn
-    used = torch.arange(model.d2t.shape[0], device=ids.device) + model.d2t
-    tgt_argmax = target_logits.argmax(-1)
-    tgt_in_vocab = model.t2d[tgt_argmax]
+    used = torch.arange(model.d2t.shape[0], device=dev) + model.d2t
+    if target_rows is None:
+        target_rows = torch.arange(L, device=dev)
+    row_idx = torch.full((L,), -1, dtype=torch.long, device=dev)
+    row_idx[target_rows] = torch.arange(len(target_rows), device=dev)
+    tgt_in_vocab = model.t2d[target_logits.argmax(-1)]
     tgt_p = target_logits[:, used].float().softmax(-1)           # restricted, renormalised
     tgt_d = tgt_p.argmax(-1)
     hidden = model.combine_hidden_states(aux)
     k0 = v0 = None
     diag_k: list = []
     diag_v: list = []
-    total = ids.new_zeros((), dtype=torch.float32)
+    total = torch.zeros((), dtype=torch.float32, device=dev)
     stats = []
     h = hidden
     for i in range(steps):
         n = L - 2 - i
         if n <= 0:
             break
-        t = torch.arange(n, device=ids.device)
+        t = torch.arange(n, device=dev)
         tok = ids[t + i + 1]
         emb = model.embed_tokens(tok)
         hin = h[:n]
@@ -144,20 +153,28 @@ def ttt_forward(model: Eagle3LlamaForCausalLM, ids: torch.Tensor, aux: torch.Ten
             diag_v.append(v)
         hmid = hin + a
         h = hmid + layer.mlp(layer.post_attention_layernorm(hmid))
-        logits = model.lm_head(model.norm(h)).float()
         rows = t + i + 1
-        m = (loss_mask[t + i + 2] > 0) & tgt_in_vocab[rows]
-        cnt = int(m.sum())
+        ridx = row_idx[rows]
+        m = (loss_mask[t + i + 2] > 0) & (ridx >= 0)
+        sel = torch.nonzero(m).flatten()
+        sel = sel[tgt_in_vocab[ridx[sel]]]
+        cnt = int(sel.numel())
         if cnt == 0:
             stats.append((0, 0))
             continue
-        logp = logits.log_softmax(-1)
-        ce = -(tgt_p[rows] * logp).sum(-1)
-        loss_i = (ce * m).sum() / cnt
-        total = total + (decay ** i) * loss_i
-        correct = int(((logits.argmax(-1) == tgt_d[rows]) & m).sum())
+        logits = model.lm_head(model.norm(h[sel])).float()
+        tr = ridx[sel]
+        ce = -(tgt_p[tr] * logits.log_softmax(-1)).sum(-1)
+        total = total + (decay ** i) * ce.mean()
+        correct = int((logits.argmax(-1) == tgt_d[tr]).sum())
         stats.append((correct, cnt))
     return total, stats
+
+
+def needed_target_rows(loss_mask: list[int]) -> torch.Tensor:
+    """Positions whose next token is an assistant token (the only rows the loss uses)."""
+    m = torch.tensor(loss_mask)
+    return torch.nonzero(m[1:] > 0).flatten()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -202,9 +219,10 @@ def evaluate(model, featurize, examples, steps) -> list[float]:
     corr = [0] * steps
     cnt = [0] * steps
     for ex in examples:
-        aux, logits = featurize(ex.input_ids)
+        rows = needed_target_rows(ex.loss_mask)
+        aux, logits = featurize(ex.input_ids, rows)
         ids = torch.tensor(ex.input_ids)
-        _, st = ttt_forward(model, ids, aux, logits, torch.tensor(ex.loss_mask), steps, 0.8)
+        _, st = ttt_forward(model, ids, aux, logits, torch.tensor(ex.loss_mask), steps, 0.8, rows)
         for i, (c, n) in enumerate(st):
             corr[i] += c
             cnt[i] += n
@@ -270,10 +288,11 @@ def train_eagle3(cfg: TrainConfig, progress: bool = True) -> str:
                 consumed = 0
                 ex = next(data)
             consumed += 1
-            aux, logits = featurize(ex.input_ids)
+            rows = needed_target_rows(ex.loss_mask)
+            aux, logits = featurize(ex.input_ids, rows)
             ids = torch.tensor(ex.input_ids)
             loss, st = ttt_forward(model, ids, aux, logits, torch.tensor(ex.loss_mask), cfg.ttt_steps,
-                                   cfg.loss_decay)
+                                   cfg.loss_decay, rows)
             if loss.requires_grad:
                 (loss * len(ex.input_ids) / cfg.tokens_per_step).backward()
             loss_sum += float(loss)
