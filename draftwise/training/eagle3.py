@@ -295,7 +295,7 @@ def train_eagle3(cfg: TrainConfig, progress: bool = True) -> str:
                                    cfg.loss_decay, rows)
             if loss.requires_grad:
                 (loss * len(ex.input_ids) / cfg.tokens_per_step).backward()
-            loss_sum += float(loss)
+            loss_sum += float(loss.detach())
             n_seq += 1
             n_tok += len(ex.input_ids)
             for i, (c, n) in enumerate(st):
