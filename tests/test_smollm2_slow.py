@@ -1,0 +1,52 @@
+"""The real default model (SmolLM2-135M-Instruct from the packaged GGUF). Slow: run with `-m slow`."""
+import json
+import os
+
+import pytest
+import torch
+
+from draftwise import LLM, SamplingParams
+
+MT_BENCH = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "mt_bench", "question.jsonl")
+pytestmark = pytest.mark.slow
+
+
+def _mt_prompts(n):
+    path = os.environ.get("DRAFTWISE_MT_BENCH", MT_BENCH)
+    if not os.path.exists(path):
+        pytest.skip(f"MT-bench questions not found at {path} (set DRAFTWISE_MT_BENCH)")
+    with open(path) as f:
+        return [json.loads(line)["turns"][0] for line in f if line.strip()][:n]
+
+
+@pytest.fixture(scope="module")
+def smol():
+    return LLM(max_model_len=1024, max_num_seqs=8)
+
+
+def test_greedy_matches_transformers_on_mt_bench(smol):
+    from transformers import AutoModelForCausalLM
+    hf = AutoModelForCausalLM.from_pretrained(smol.engine.model_path, dtype=torch.float32).eval()
+    prompts = [smol.apply_chat_template([{"role": "user", "content": q}]) for q in _mt_prompts(5)]
+    sp = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    outs = smol.generate(prompts, sp)
+    for p, o in zip(prompts, outs):
+        ids = torch.tensor([smol.tokenizer(p, add_special_tokens=False).input_ids])
+        with torch.no_grad():
+            ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=64, do_sample=False,
+                              eos_token_id=None, pad_token_id=2)[0, ids.shape[1]:].tolist()
+        assert o.outputs[0].token_ids == ref
+
+
+@pytest.mark.parametrize("spec", [
+    {"method": "eagle3", "num_speculative_tokens": 5},
+    {"method": "eagle3", "num_speculative_tokens": 8, "eagle_topk": 2, "eagle_depth": 4},
+    {"method": "ngram", "num_speculative_tokens": 5},
+])
+def test_shipped_drafter_is_lossless(smol, spec):
+    prompts = [smol.apply_chat_template([{"role": "user", "content": q}]) for q in _mt_prompts(4)]
+    sp = SamplingParams(temperature=0, max_tokens=64)
+    ref = [o.outputs[0].token_ids for o in smol.generate(prompts, sp)]
+    llm = LLM(max_model_len=1024, max_num_seqs=8, speculative_config=spec)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, sp)] == ref
+    assert llm.get_metrics()["spec_decode"]["num_drafts"] > 0
