@@ -158,6 +158,8 @@ class SpeculativeConfig:
             raise ValueError(f"eagle_depth must be an integer >= 1, got {self.eagle_depth!r}")
         if self.eagle_topk > 1 and self.method != "eagle3":
             raise ValueError("tree drafting (eagle_topk > 1) is available with method 'eagle3' only")
+        if self.adaptive and self.eagle_topk > 1:
+            raise ValueError("adaptive speculation length applies to chain drafting (eagle_topk = 1)")
         if self.method == "ngram":
             if not (1 <= self.prompt_lookup_min <= self.prompt_lookup_max):
                 raise ValueError("ngram needs 1 <= prompt_lookup_min <= prompt_lookup_max, got "

@@ -246,3 +246,28 @@ def test_distribution_test_detects_a_broken_sampler(small_vocab, monkeypatch):
     assert m["num_drafts"] > 0
     stat, df = two_sample_chi2(base, got)
     assert stat > chi2_critical(df), (stat, df)
+
+
+def test_speculation_policy_explores_then_exploits():
+    from draftwise.spec_decode.policy import SpeculationPolicy
+    pol = SpeculationPolicy(5, min_samples=2, reexplore_every=1000)
+    fake_rate = {0: 10.0, 1: 14.0, 2: 17.0, 5: 12.0}          # tokens/s per k at batch 1
+    for _ in range(20):
+        k = pol.choose(1)
+        pol.record(1, k, int(fake_rate[k] * 10), 10.0)
+    assert pol.choose(1) == 2
+    # at a large batch speculation loses: the policy falls back to plain decoding
+    for _ in range(20):
+        k = pol.choose(32)
+        pol.record(32, k, 300 if k == 0 else 200, 1.0)
+    assert pol.choose(32) == 0
+
+
+def test_adaptive_speculation_is_lossless(tiny_llama):
+    path, _ = tiny_llama
+    ref = _ids(LLM(path, block_size=4, max_model_len=256).generate(
+        [{"prompt_token_ids": p} for p in PROMPTS], GREEDY))
+    llm = LLM(path, block_size=4, max_model_len=256,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 4, "adaptive": True})
+    assert _ids(llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY)) == ref
+    assert llm.engine.policy.rate

@@ -57,6 +57,7 @@ class LLMEngine:
             from draftwise.spec_decode.policy import SpeculationPolicy
             self.policy = SpeculationPolicy(self.num_spec_tokens)
         self.num_steps = 0
+        self._k_prev: int | None = None
 
     # --- requests ----------------------------------------------------------------------------------
     def tokenize_prompt(self, prompt) -> tuple[str | None, list[int]]:
@@ -109,6 +110,7 @@ class LLMEngine:
 
     # --- one step ------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        t_step = time.perf_counter()
         sched = self.scheduler.schedule()
         if not sched.scheduled:
             if self.scheduler.running or self.scheduler.waiting:
@@ -134,10 +136,10 @@ class LLMEngine:
             if req.is_finished:
                 req.metrics.finished_time = now
             outputs.append(self._make_output(req, appended, new_text))
-        if self.policy is not None:
-            self.policy.observe(sched, step, self.runner.timer)
-        k = self.num_spec_tokens if self.policy is None else self.policy.choose(len(self.scheduler.running))
         t1 = time.perf_counter()
+        k = self.num_spec_tokens
+        if self.policy is not None:
+            k = self.policy.choose(len(self.scheduler.running))
         drafts = self.runner.propose(step, k)
         for s, d in zip(sched.scheduled, drafts):
             if not s.request.is_finished and d:
@@ -147,6 +149,12 @@ class LLMEngine:
                     s.request.spec_tree = d
         self.runner.timer.add("bookkeeping", t1 - t0)
         self.num_steps += 1
+        if self.policy is not None:
+            # the cycle just measured verified the drafts chosen in the previous step (k_prev)
+            produced = sum(len(n) for n in step.new_token_ids)
+            if self._k_prev is not None:
+                self.policy.record(len(sched.scheduled), self._k_prev, produced, time.perf_counter() - t_step)
+            self._k_prev = k
         for o in outputs:
             if o.finished:
                 self.requests.pop(o.request_id, None)

@@ -1,0 +1,52 @@
+"""Per-step choice of how many tokens to speculate, so speculation never loses to plain decoding.
+
+Policy (measured, not modelled): for each batch-size bucket (1, 2, 4, …, 64) the engine keeps an
+exponential moving average of *output tokens per second* observed for each candidate draft length
+k in {0, 1, 2, K/2, K}. A bucket first tries every candidate a few times (exploration), then uses the
+best one, and re-tries the others every `reexplore_every` steps so the estimates follow changes in
+acceptance (prompts differ) and in step cost. k = 0 means plain decoding (the drafter still runs
+its cheap KV-update pass so it can resume later). Because k = 0 is always a candidate, measured
+throughput can only fall below autoregressive decoding by the exploration steps and the drafter's
+KV-update pass."""
+from __future__ import annotations
+
+import math
+
+
+class SpeculationPolicy:
+    def __init__(self, max_k: int, min_samples: int = 3, ema: float = 0.3, reexplore_every: int = 64):
+        self.max_k = max_k
+        self.candidates = sorted({0, 1, min(2, max_k), max(1, max_k // 2), max_k})
+        self.min_samples = min_samples
+        self.ema = ema
+        self.reexplore_every = reexplore_every
+        self.rate: dict[tuple[int, int], float] = {}
+        self.count: dict[tuple[int, int], int] = {}
+        self.steps: dict[int, int] = {}
+
+    @staticmethod
+    def bucket(batch_size: int) -> int:
+        return 1 << max(0, math.ceil(math.log2(max(1, batch_size))))
+
+    def record(self, batch_size: int, k: int, tokens: int, seconds: float) -> None:
+        if seconds <= 0 or batch_size <= 0:
+            return
+        key = (self.bucket(batch_size), k)
+        r = tokens / seconds
+        self.rate[key] = r if key not in self.rate else (1 - self.ema) * self.rate[key] + self.ema * r
+        self.count[key] = self.count.get(key, 0) + 1
+
+    def choose(self, batch_size: int) -> int:
+        b = self.bucket(batch_size)
+        n = self.steps[b] = self.steps.get(b, 0) + 1
+        for k in self.candidates:
+            if self.count.get((b, k), 0) < self.min_samples:
+                return k
+        best = max(self.candidates, key=lambda k: self.rate[(b, k)])
+        if n % self.reexplore_every == 0:
+            others = [k for k in self.candidates if k != best]
+            return others[(n // self.reexplore_every) % len(others)]
+        return best
+
+    def table(self) -> dict:
+        return {f"b{b}_k{k}": round(r, 2) for (b, k), r in sorted(self.rate.items())}
