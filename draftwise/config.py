@@ -187,10 +187,7 @@ class EngineConfig:
     dtype: str = "float32"
     device: str = "cpu"
     seed: int = 0
-    enforce_eager: bool = True
-    compile_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
     speculative_config: SpeculativeConfig | None = None
-    quantization: str | None = None       # None | "int8" | "int4"
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -201,8 +198,6 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
-        if self.quantization not in (None, "int8", "int4"):
-            raise ValueError(f"quantization must be None, 'int8' or 'int4', got {self.quantization!r}")
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -28,9 +28,6 @@ class LLMEngine:
         self.model, self.model_cfg, self.model_path = load_target_model(
             config.model, config.torch_dtype, config.device,
             max_position=config.max_model_len + 256)
-        if config.quantization:
-            from draftwise.layers.quant import quantize_model
-            quantize_model(self.model, config.quantization)
         self.tokenizer = load_tokenizer(self.model_path)
         self.eos_token_ids = tuple(self.model_cfg.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None \

@@ -22,8 +22,7 @@ def _engine_args(p: argparse.ArgumentParser, spec_default: str | None = DEFAULT_
     p.add_argument("--dtype", default="float32")
     p.add_argument("--device", default="cpu")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--quantization", default=None, choices=[None, "int8", "int4"])
-    p.add_argument("--compile", action="store_true", help="compile graphs with warmup buckets (slow start)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: all cores)")
 
 
 def _spec_from_arg(s: str | None):
@@ -38,10 +37,12 @@ def _spec_from_arg(s: str | None):
 
 def build_llm(args):
     from draftwise import LLM
+    if args.threads:
+        import torch
+        torch.set_num_threads(args.threads)
     return LLM(args.model, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                block_size=args.block_size, dtype=args.dtype, device=args.device, seed=args.seed,
-               speculative_config=_spec_from_arg(args.speculative_config),
-               quantization=args.quantization, enforce_eager=not args.compile)
+               speculative_config=_spec_from_arg(args.speculative_config))
 
 
 def _sampling(args):

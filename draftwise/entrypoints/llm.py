@@ -14,15 +14,12 @@ class LLM:
     def __init__(self, model: str = DEFAULT_MODEL, *, max_model_len: int = 2048, max_num_seqs: int = 16,
                  max_num_batched_tokens: int | None = None, block_size: int = 16,
                  num_kv_blocks: int | None = None, dtype: str = "float32", device: str = "cpu",
-                 seed: int = 0, enforce_eager: bool = True, speculative_config=None,
-                 quantization: str | None = None, compile_buckets: tuple[int, ...] | None = None):
+                 seed: int = 0, speculative_config=None):
         spec = SpeculativeConfig.from_any(speculative_config)
         cfg = EngineConfig(model=model, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                            max_num_batched_tokens=max_num_batched_tokens or max(max_model_len, 512),
                            block_size=block_size, num_kv_blocks=num_kv_blocks, dtype=dtype,
-                           device=device, seed=seed, enforce_eager=enforce_eager,
-                           speculative_config=spec, quantization=quantization,
-                           **({"compile_buckets": tuple(compile_buckets)} if compile_buckets else {}))
+                           device=device, seed=seed, speculative_config=spec)
         self.engine = LLMEngine(cfg)
 
     @property
