@@ -3,24 +3,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from draftwise.spec_decode.metrics import SpecDecodingStats
+
 
 @dataclass
-class RequestMetrics:
+class RequestMetrics(SpecDecodingStats):
+    """Per-request timings plus the request's own speculative-decoding counters."""
     arrival_time: float = 0.0
     first_token_time: float | None = None
     finished_time: float | None = None
-    num_drafts: int = 0
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-    accepted_per_position: list[int] = field(default_factory=list)
-
-    @property
-    def mean_acceptance_length(self) -> float:
-        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
 
 
 @dataclass

@@ -127,7 +127,7 @@ class LLMEngine:
                 req.metrics.first_token_time = now
             if s.num_draft_tokens:
                 self.spec_stats.observe(s.num_draft_tokens, acc)
-                _observe_request(req, s.num_draft_tokens, acc)
+                req.metrics.observe(s.num_draft_tokens, acc)
             appended = self.scheduler.update(s, new, acc)
             new_text = self._detokenize(req)
             if req.is_finished:
@@ -189,13 +189,3 @@ class LLMEngine:
              "step_time_s": dict(self.runner.timer.totals)}
         return d
 
-
-def _observe_request(req: Request, num_draft: int, num_accepted: int) -> None:
-    m = req.metrics
-    m.num_drafts += 1
-    m.num_draft_tokens += num_draft
-    m.num_accepted_tokens += num_accepted
-    if len(m.accepted_per_position) < num_draft:
-        m.accepted_per_position += [0] * (num_draft - len(m.accepted_per_position))
-    for i in range(num_accepted):
-        m.accepted_per_position[i] += 1
