@@ -22,6 +22,7 @@ PRESETS = {
     "eagle3-tree": {"method": "eagle3", "num_speculative_tokens": 16, "eagle_topk": 4, "eagle_depth": 5},
     "dflash": {"method": "dflash"},
     "ngram": {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 2, "prompt_lookup_max": 4},
+    "eagle3-adaptive": {"method": "eagle3", "num_speculative_tokens": 5, "adaptive": True},
 }
 PEERS = ("hf", "hf-pld", "llamacpp", "llamacpp-pld")
 
@@ -33,6 +34,8 @@ def add_bench_args(p) -> None:
     p.add_argument("--dataset", default="../shared/data/mt_bench/question.jsonl",
                    help="question.jsonl path (Spec-Bench / MT-bench), 'sharegpt' or 'humaneval'")
     p.add_argument("--num-prompts", type=int, default=None)
+    p.add_argument("--stride", type=int, default=1, help="take every n-th conversation (e.g. 10: one per MT-bench category)")
+    p.add_argument("--sweep", default=None, help="comma list of batch sizes: throughput sweep instead of one run")
     p.add_argument("--max-turns", type=int, default=2)
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--batch-size", type=int, default=1)
@@ -150,7 +153,9 @@ def run_bench(args) -> list[dict]:
     from draftwise.bench.datasets import load_prompts
     if args.threads:
         torch.set_num_threads(args.threads)
-    convs = load_prompts(args.dataset, args.num_prompts)
+    convs = load_prompts(args.dataset, None)[::args.stride]
+    if args.num_prompts:
+        convs = convs[:args.num_prompts]
     methods = parse_methods(args.methods)
     if methods[0][0] != "ar":
         methods.insert(0, ("ar", None))
@@ -225,7 +230,63 @@ def plot(results: list[dict], path: str) -> None:
     plt.close(fig)
 
 
+def run_sweep(args) -> dict:
+    """Output tokens/s per method at each batch size (one turn, batch = number of prompts)."""
+    import copy
+    sizes = [int(x) for x in args.sweep.split(",")]
+    table: dict = {}
+    for b in sizes:
+        a = copy.copy(args)
+        a.batch_size, a.num_prompts, a.max_turns, a.sweep = b, b, 1, None
+        for r in run_bench(a):
+            table.setdefault(r["method"], {})[b] = r["tokens_per_s"]
+    return {"batch_sizes": sizes, "tokens_per_s": table}
+
+
+def sweep_markdown(sw: dict) -> str:
+    sizes = sw["batch_sizes"]
+    lines = ["| method | " + " | ".join(f"B={b}" for b in sizes) + " |", "|---|" + "---|" * len(sizes)]
+    base = sw["tokens_per_s"].get("ar", {})
+    for m, row in sw["tokens_per_s"].items():
+        cells = []
+        for b in sizes:
+            v = row.get(b)
+            rel = f" ({v / base[b]:.2f}x)" if m != "ar" and base.get(b) else ""
+            cells.append(f"{v:.1f}{rel}" if v is not None else "–")
+        lines.append(f"| {m} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot_sweep(sw: dict, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for m, row in sw["tokens_per_s"].items():
+        xs = [b for b in sw["batch_sizes"] if b in row]
+        ax.plot(xs, [row[b] for b in xs], marker="o", label=m)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("batch size")
+    ax.set_ylabel("output tokens/s")
+    ax.set_title("throughput vs batch size")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def run_bench_cli(args) -> int:
+    os.makedirs(args.out, exist_ok=True)
+    if args.sweep:
+        sw = run_sweep(args)
+        md = sweep_markdown(sw)
+        print(md)
+        with open(os.path.join(args.out, "sweep.md"), "w") as f:
+            f.write(md + "\n")
+        with open(os.path.join(args.out, "sweep.json"), "w") as f:
+            json.dump({"machine": machine_description(), **sw}, f, indent=2)
+        plot_sweep(sw, os.path.join(args.out, "sweep.png"))
+        return 0
     results = run_bench(args)
     os.makedirs(args.out, exist_ok=True)
     md = to_markdown(results, args)

@@ -1,0 +1,31 @@
+"""`draftwise bench` end to end on a tiny model: table, JSON, plot, greedy match, sweep."""
+import json
+import os
+
+from conftest import make_tiny_hf
+from draftwise.entrypoints.cli import main
+
+
+def test_bench_runs_methods_side_by_side(tmp_path):
+    from tests.tokenizer_util import add_tiny_tokenizer
+    model = str(tmp_path / "m")
+    make_tiny_hf(model)
+    add_tiny_tokenizer(model)
+    q = tmp_path / "question.jsonl"
+    q.write_text("\n".join(json.dumps({"question_id": i, "turns": [f"hello {i} world", "and again"]})
+                           for i in range(3)) + "\n")
+    out = str(tmp_path / "out")
+    rc = main(["bench", "--model", model, "--methods", "ar,ngram", "--dataset", str(q), "--max-tokens", "12",
+               "--max-model-len", "256", "--out", out])
+    assert rc == 0
+    res = json.load(open(os.path.join(out, "bench.json")))["results"]
+    assert [r["method"] for r in res] == ["ar", "ngram"]
+    assert res[1]["greedy_match"] == 1.0 and res[1]["num_drafts"] > 0
+    assert res[0]["speedup_vs_ar"] == 1.0
+    assert os.path.getsize(os.path.join(out, "bench.png")) > 1000
+    assert "| ngram |" in open(os.path.join(out, "bench.md")).read()
+    rc = main(["bench", "--model", model, "--methods", "ar,ngram", "--dataset", str(q), "--max-tokens", "8",
+               "--max-model-len", "256", "--out", out, "--sweep", "1,2"])
+    assert rc == 0
+    sw = json.load(open(os.path.join(out, "sweep.json")))
+    assert set(sw["tokens_per_s"]) == {"ar", "ngram"} and sw["batch_sizes"] == [1, 2]
