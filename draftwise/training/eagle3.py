@@ -190,8 +190,10 @@ def build_draft(target, d2t, t2d, max_position: int) -> Eagle3LlamaForCausalLM:
     with torch.no_grad():
         model.d2t.copy_(d2t)
         model.t2d.copy_(t2d)
-        used = torch.arange(d2t.shape[0]) + d2t
-        model.lm_head.weight.copy_(target.lm_head.weight[used].float())
+        # A small random LM head trains faster than one copied from the target's (measured: top-1
+        # 0.26 vs 0.17 after the same 80 updates): the copied head starts with huge, confidently
+        # wrong logits.
+        model.lm_head.weight.normal_(0, 0.02)
         model.norm.weight.copy_(target.norm.weight.float())
         model.fc.weight.normal_(0, 0.02)
     model.embed_tokens = target.embed_tokens           # frozen, shared, not exported
