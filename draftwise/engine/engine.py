@@ -41,6 +41,12 @@ class LLMEngine:
             self.proposer = build_proposer(self.spec_config, self.model, self.model_cfg, config,
                                            self.model_path)
             self.num_spec_tokens = self.spec_config.num_speculative_tokens
+        if torch.device(config.device).type == "cpu":
+            from draftwise.layers.linear import prepare_linears_for_inference
+            prepare_linears_for_inference(self.model)
+            draft = getattr(self.proposer, "model", None)
+            if draft is not None:
+                prepare_linears_for_inference(draft)
         lookahead = self.proposer.num_lookahead_tokens if self.proposer else 0
         blocks_per_seq = math.ceil((config.max_model_len + lookahead + 1) / config.block_size)
         num_blocks = config.num_kv_blocks or blocks_per_seq * config.max_num_seqs
