@@ -143,7 +143,12 @@ class LLMEngine:
         k = self.num_spec_tokens
         if self.policy is not None:
             k = self.policy.choose(len(self.scheduler.running))
-        drafts = self.runner.propose(step, k)
+        if self.policy is not None and k == 0:
+            # plain decoding this step: skip the drafter entirely (its KV for these positions goes
+            # stale, which can only lower later acceptance, never change outputs)
+            drafts = [[] for _ in sched.scheduled]
+        else:
+            drafts = self.runner.propose(step, k)
         for s, d in zip(sched.scheduled, drafts):
             if not s.request.is_finished and d:
                 if isinstance(d, list):

@@ -4,8 +4,9 @@ Policy (measured, not modelled): for each batch-size bucket (1, 2, 4, …, 64) t
 exponential moving average of *output tokens per second* observed for each candidate draft length
 k in {0, 1, 2, K/2, K}. A bucket first tries every candidate a few times (exploration), then uses the
 best one, and re-tries the others every `reexplore_every` steps so the estimates follow changes in
-acceptance (prompts differ) and in step cost. k = 0 means plain decoding (the drafter still runs
-its cheap KV-update pass so it can resume later). Because k = 0 is always a candidate, measured
+acceptance (prompts differ) and in step cost. k = 0 means plain decoding: the drafter is skipped
+for that step (its KV for those positions goes stale, which can lower later acceptance but never
+changes outputs). Because k = 0 is always a candidate, measured
 throughput can only fall below autoregressive decoding by the exploration steps and the drafter's
 KV-update pass."""
 from __future__ import annotations
@@ -14,7 +15,7 @@ import math
 
 
 class SpeculationPolicy:
-    def __init__(self, max_k: int, min_samples: int = 3, ema: float = 0.3, reexplore_every: int = 64):
+    def __init__(self, max_k: int, min_samples: int = 2, ema: float = 0.3, reexplore_every: int = 64):
         self.max_k = max_k
         self.candidates = sorted({0, 1, min(2, max_k), max(1, max_k // 2), max_k})
         self.min_samples = min_samples
