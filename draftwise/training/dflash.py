@@ -16,7 +16,6 @@ import argparse
 import dataclasses
 import json
 import logging
-import math
 import os
 import time
 from dataclasses import asdict, dataclass
@@ -26,6 +25,7 @@ import torch.nn.functional as F
 
 from draftwise.config import ModelConfig
 from draftwise.models.dflash import DFlashDraftModel, save_dflash_checkpoint, spread_target_layer_ids
+from draftwise.training.eagle3 import lr_at
 
 logger = logging.getLogger("draftwise")
 
@@ -191,13 +191,6 @@ def build_draft(target, block_size: int, num_layers: int, target_layer_ids: list
     return model
 
 
-def _lr_at(step: int, cfg: DFlashTrainConfig) -> float:
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    prog = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.total_steps - cfg.warmup_steps))
-    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * prog)))
-
-
 def _step_seed(seed: int, consumed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed * 1_000_003 + consumed)
 
@@ -324,7 +317,7 @@ def train_dflash(cfg: DFlashTrainConfig, progress: bool = True) -> str:
             blocks += b
         torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
         for g in opt.param_groups:
-            g["lr"] = _lr_at(step, cfg)
+            g["lr"] = lr_at(step, cfg)
         opt.step()
         step += 1
         tokens_seen += n_tok
@@ -334,7 +327,7 @@ def train_dflash(cfg: DFlashTrainConfig, progress: bool = True) -> str:
                         acc=" ".join(f"{x:.2f}" for x in acc[:4]))
         bar.update(1)
         rec = {"step": step, "tokens": tokens_seen, "loss": loss_sum / max(1, n_seq), "acc": acc,
-               "acceptance_length": tau, "lr": _lr_at(step - 1, cfg), "elapsed_s": time.time() - t_start}
+               "acceptance_length": tau, "lr": lr_at(step - 1, cfg), "elapsed_s": time.time() - t_start}
         if step % cfg.eval_every == 0 or step == cfg.total_steps:
             model.eval()
             rec.update(evaluate(model, target, featurize, heldout, cfg))

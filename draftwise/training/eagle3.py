@@ -200,7 +200,8 @@ def build_draft(target, d2t, t2d, max_position: int) -> Eagle3LlamaForCausalLM:
     return model
 
 
-def _lr_at(step: int, cfg: TrainConfig) -> float:
+def lr_at(step: int, cfg) -> float:
+    """Linear warm-up, then cosine decay to min_lr_ratio * lr (any config with these fields)."""
     if step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
     prog = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.total_steps - cfg.warmup_steps))
@@ -305,7 +306,7 @@ def train_eagle3(cfg: TrainConfig, progress: bool = True) -> str:
                 cnt[i] += n
         torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
         for g in opt.param_groups:
-            g["lr"] = _lr_at(step, cfg)
+            g["lr"] = lr_at(step, cfg)
         opt.step()
         step += 1
         tokens_seen += n_tok
@@ -313,7 +314,7 @@ def train_eagle3(cfg: TrainConfig, progress: bool = True) -> str:
         bar.set_postfix(loss=f"{loss_sum / max(1, n_seq):.3f}", acc=" ".join(f"{a:.2f}" for a in acc[:4]))
         bar.update(1)
         rec = {"step": step, "tokens": tokens_seen, "loss": loss_sum / max(1, n_seq), "acc": acc,
-               "lr": _lr_at(step - 1, cfg), "elapsed_s": time.time() - t_start}
+               "lr": lr_at(step - 1, cfg), "elapsed_s": time.time() - t_start}
         if step % cfg.eval_every == 0 or step == cfg.total_steps:
             ev = evaluate(model, featurize, heldout, cfg.ttt_steps)
             rec["heldout_acc"] = ev
