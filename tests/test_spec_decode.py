@@ -201,7 +201,10 @@ def small_vocab(tmp_path_factory):
     with torch.no_grad():
         pass
     ck = write_eagle3_checkpoint(str(tmp_path_factory.mktemp("eagle_v8")), load_cfg(path), scale=0.3, seed=2)
-    return path, ck
+    from helpers import write_dflash_checkpoint
+    dck = write_dflash_checkpoint(str(tmp_path_factory.mktemp("dflash_v8")), load_cfg(path), block_size=3,
+                                  target_layer_ids=(0,), mask_token_id=7, scale=0.3, seed=3)
+    return path, ck, dck
 
 
 def _broken_rejection_sample(logits, drafts, nd, meta):
@@ -222,13 +225,14 @@ def _broken_rejection_sample(logits, drafts, nd, meta):
 
 
 @pytest.mark.parametrize("params_kw", [{"temperature": 1.0}, {"temperature": 0.8, "top_k": 5, "top_p": 0.9}])
-@pytest.mark.parametrize("method", ["eagle3", "ngram"])
+@pytest.mark.parametrize("method", ["eagle3", "ngram", "dflash"])
 def test_sampling_distribution_is_preserved(small_vocab, params_kw, method):
-    path, ck = small_vocab
+    path, ck, dck = small_vocab
     n = 3000
     base, _ = _sample_counts(path, None, params_kw, n)
-    spec = ({"method": "eagle3", "model": ck, "num_speculative_tokens": 2} if method == "eagle3"
-            else {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1})
+    spec = {"eagle3": {"method": "eagle3", "model": ck, "num_speculative_tokens": 2},
+            "ngram": {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1},
+            "dflash": {"method": "dflash", "model": dck, "num_speculative_tokens": 2}}[method]
     got, m = _sample_counts(path, dict(spec, rejection_sampler="logits"), params_kw, n)
     assert m["num_drafts"] > 0 and m["num_accepted_tokens"] > 0
     stat, df = two_sample_chi2(base, got)
@@ -236,7 +240,7 @@ def test_sampling_distribution_is_preserved(small_vocab, params_kw, method):
 
 
 def test_distribution_test_detects_a_broken_sampler(small_vocab, monkeypatch):
-    path, ck = small_vocab
+    path, ck, _ = small_vocab
     n = 3000
     base, _ = _sample_counts(path, None, {"temperature": 1.0}, n)
     import draftwise.worker.model_runner as mr
