@@ -171,10 +171,6 @@ class SpeculativeConfig:
                 raise ValueError(f"num_speculative_tokens={k} exceeds what a tree of eagle_topk="
                                  f"{self.eagle_topk}, eagle_depth={depth} can hold ({capacity} nodes)")
 
-    @property
-    def is_tree(self) -> bool:
-        return self.method == "eagle3" and self.eagle_topk > 1
-
 
 @dataclass
 class EngineConfig:

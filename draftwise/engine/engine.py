@@ -198,5 +198,7 @@ class LLMEngine:
              "num_running": len(self.scheduler.running), "num_waiting": len(self.scheduler.waiting),
              "num_steps": self.num_steps,
              "step_time_s": dict(self.runner.timer.totals)}
+        if self.policy is not None:
+            d["speculation_policy_tokens_per_s"] = self.policy.table()
         return d
 

@@ -17,15 +17,12 @@ class KVCache:
         self.num_blocks, self.block_size = num_blocks, block_size
         self.num_slots = num_blocks * block_size
         self.layer_specs = list(layer_specs)
-        self._layers: list[tuple[torch.Tensor, torch.Tensor]] = []
         groups: dict[tuple[int, int], list[int]] = {}
         for i, spec in enumerate(self.layer_specs):
             groups.setdefault(spec, []).append(i)
-        self._layers = [None] * len(self.layer_specs)  # type: ignore[list-item]
-        self._tensors = []
+        self._layers: list = [None] * len(self.layer_specs)
         for (hkv, hd), idxs in groups.items():
             t = torch.zeros(len(idxs), 2, self.num_slots, hkv, hd, dtype=dtype, device=device)
-            self._tensors.append(t)
             for j, li in enumerate(idxs):
                 self._layers[li] = (t[j, 0], t[j, 1])
 
@@ -43,9 +40,6 @@ class KVCache:
             k, v = self._layers[i]
             k.index_copy_(0, dst, k[src])
             v.index_copy_(0, dst, v[src])
-
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self._tensors)
 
 
 class BlockAllocator:

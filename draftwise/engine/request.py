@@ -34,7 +34,6 @@ class Request:
         self.eos_token_ids = () if params.ignore_eos else tuple(eos_token_ids)
         self.metrics = RequestMetrics(arrival_time=time.time())
         self.text = ""                        # detokenized output (maintained by the engine)
-        self.stop_text_len: int | None = None
         self.generator: torch.Generator | None = None
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed)

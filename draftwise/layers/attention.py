@@ -48,13 +48,6 @@ class AttentionMetadata:
     def num_reqs(self) -> int:
         return len(self.query_lens)
 
-    @property
-    def query_start_loc(self) -> list[int]:
-        out = [0]
-        for q in self.query_lens:
-            out.append(out[-1] + q)
-        return out
-
     def finalize(self) -> "AttentionMetadata":
         dev = self.block_tables.device
         R = len(self.query_lens)

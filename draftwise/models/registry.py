@@ -39,9 +39,3 @@ def eagle3_class(architectures: list[str]):
                          f"(known: {', '.join(k for k in classes if k.startswith('Eagle3'))})")
     return classes[name]()
 
-
-def draft_class(name: str):
-    classes = _drafts()
-    if name not in classes:
-        raise ValueError(f"unknown draft architecture {name!r}; known: {', '.join(classes)}")
-    return classes[name]()

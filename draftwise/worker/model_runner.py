@@ -65,7 +65,6 @@ class ModelRunner:
         spec = config.speculative_config
         self.fused_greedy = spec is None or spec.rejection_sampler == "fused"
         self.timer = StepTimer()
-        self.forward_fn = self._target_forward
 
     # --- helpers ---------------------------------------------------------------------------------
     def _block_tables(self, reqs) -> torch.Tensor:
@@ -124,7 +123,7 @@ class ModelRunner:
         spec_meta = SpecDecodeMetadata.build(num_draft, cu, input_ids)
         logits_indices = spec_meta.logits_indices
         t1 = time.perf_counter()
-        output = self.forward_fn(input_ids, positions, meta, logits_indices)
+        output = self._target_forward(input_ids, positions, meta, logits_indices)
         t2 = time.perf_counter()
         accepted_rows: list[list[int]] = []
         if any_tree:
