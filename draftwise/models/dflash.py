@@ -25,7 +25,7 @@ from torch import nn
 from draftwise.config import ModelConfig
 from draftwise.layers.norm import RMSNorm
 from draftwise.layers.rotary import RotaryEmbedding
-from draftwise.models.llama import DecoderLayer, load_stacked_weights
+from draftwise.models.llama import DecoderLayer, load_stacked_weights, require_all_loaded
 
 logger = logging.getLogger("draftwise")
 
@@ -288,10 +288,7 @@ def load_dflash_checkpoint(path: str, target_cfg: ModelConfig, dtype: torch.dtyp
         loaded = load_stacked_weights(model, tensors.items(), strip_prefixes=(), strict=True)
     except ValueError as e:
         raise ValueError(f"DFlash checkpoint {path}: {e}") from None
-    need = {n for n, _ in model.named_parameters()}
-    have = {n.split("#")[0] for n in loaded}
-    if need - have:
-        raise ValueError(f"DFlash checkpoint {path} is missing tensors for {sorted(need - have)[:8]}")
+    require_all_loaded(model, loaded, f"DFlash checkpoint {path}")
     model.to(dtype=dtype, device=device)
     model.rotary.to(dtype=torch.float32)
     model.eval()

@@ -10,7 +10,7 @@ from torch import nn
 from draftwise.config import ModelConfig
 from draftwise.layers.norm import RMSNorm
 from draftwise.layers.rotary import RotaryEmbedding
-from draftwise.models.llama import MLP, Attention, load_stacked_weights
+from draftwise.models.llama import MLP, Attention, load_stacked_weights, require_all_loaded
 
 
 class Eagle3DecoderLayer(nn.Module):
@@ -137,10 +137,7 @@ def load_eagle3_checkpoint(path: str, target_cfg: ModelConfig, target_embedding:
         model.has_own_embedding = True
     else:
         model.embed_tokens = target_embedding   # shared with the target
-    need = {n for n, _ in model.named_parameters() if not n.startswith("embed_tokens")}
-    have = {n.split("#")[0] for n in loaded}
-    if need - have:
-        raise ValueError(f"EAGLE-3 checkpoint {path} is missing tensors for {sorted(need - have)}")
+    require_all_loaded(model, loaded, f"EAGLE-3 checkpoint {path}", skip_prefix="embed_tokens")
     model.to(dtype=dtype, device=device)
     model.rotary.to(dtype=torch.float32)
     model.eval()

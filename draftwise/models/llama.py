@@ -135,6 +135,21 @@ def load_stacked_weights(module: nn.Module, weights: Iterable[tuple[str, torch.T
     return loaded
 
 
+def require_all_loaded(module: nn.Module, loaded: set[str], what: str, skip_prefix: str | None = None) -> None:
+    """Raise if a parameter (or one shard of a fused q/k/v or gate/up parameter) was not loaded."""
+    missing = []
+    for name, _ in module.named_parameters():
+        if skip_prefix and name.startswith(skip_prefix):
+            continue
+        if name in loaded:
+            continue
+        shards = [n for n in loaded if n.startswith(name + "#")]
+        if not shards or len(shards) != len(_shard_sizes(module, name)):
+            missing.append(name)
+    if missing:
+        raise ValueError(f"{what} is missing tensors for {sorted(missing)[:8]}")
+
+
 def _shard_sizes(module: nn.Module, param_name: str) -> list[int]:
     owner = module.get_submodule(param_name.rsplit(".", 2)[0])
     if isinstance(owner, Attention):
@@ -200,9 +215,4 @@ class LlamaForCausalLM(nn.Module):
                 return None
             return n
 
-        loaded = load_stacked_weights(self, weights, rename=rename)
-        expected = {n for n, _ in self.named_parameters()}
-        have = {n.split("#")[0] for n in loaded}
-        missing = expected - have
-        if missing:
-            raise ValueError(f"checkpoint is missing tensors: {sorted(missing)[:8]}")
+        require_all_loaded(self, load_stacked_weights(self, weights, rename=rename), "checkpoint")
