@@ -184,8 +184,18 @@ class EngineConfig:
     device: str = "cpu"
     seed: int = 0
     speculative_config: SpeculativeConfig | None = None
+    # compiled graphs (worker/compiled_graphs.py); None reads $DRAFTWISE_ENFORCE_EAGER (default off)
+    enforce_eager: bool | None = None
+    compile_sizes: tuple[int, ...] | None = None   # static token buckets; None: (1, 2, 4, 8)
 
     def __post_init__(self):
+        if self.enforce_eager is None:
+            self.enforce_eager = os.environ.get("DRAFTWISE_ENFORCE_EAGER", "0") not in ("", "0", "false")
+        if self.compile_sizes is not None:
+            sizes = tuple(self.compile_sizes)
+            if not sizes or not all(isinstance(x, int) and x >= 1 for x in sizes):
+                raise ValueError(f"compile_sizes must be positive integers, got {self.compile_sizes!r}")
+            self.compile_sizes = tuple(sorted(set(sizes)))
         if self.dtype not in DTYPES:
             raise ValueError(f"unknown dtype {self.dtype!r}; choose one of {sorted(DTYPES)}")
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size"):

@@ -6,6 +6,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# tests run eager (no compile warmup) unless a test asks for compiled graphs
+os.environ.setdefault("DRAFTWISE_ENFORCE_EAGER", "1")
 
 
 def make_tiny_hf(path, arch="llama", vocab=256, hidden=64, layers=4, heads=4, kv_heads=2, seed=0,

@@ -1,8 +1,12 @@
-"""Decode throughput of draftwise vs Hugging Face `transformers` generate, side by side in one run
-(batch 1 and 8 by default). `python -m draftwise.bench.decode_speed [--batch-sizes 1,8] [--tokens 64]`"""
+"""Decode throughput of draftwise (compiled graphs and eager) vs Hugging Face `transformers`
+generate, side by side in one process. Each engine is built once; timed runs are interleaved
+round-robin (`--rounds`) and the median is reported, because this machine's timings drift.
+
+`python -m draftwise.bench.decode_speed [--batch-sizes 1,8] [--tokens 64] [--rounds 3]`"""
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 
 import torch
@@ -15,35 +19,49 @@ PROMPTS = ["Write a short poem about the sea.", "Explain how a CPU cache works."
            "Why is the sky blue?", "List four prime numbers and explain why they are prime."]
 
 
-def draftwise_tps(model: str, batch: int, tokens: int) -> float:
-    from draftwise import LLM, SamplingParams
-    llm = LLM(model, max_model_len=1024, max_num_seqs=batch)
-    prompts = [llm.apply_chat_template([{"role": "user", "content": p}]) for p in (PROMPTS * 4)[:batch]]
-    sp = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
-    llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=4))
-    t0 = time.perf_counter()
-    outs = llm.generate(prompts, sp)
-    return sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - t0)
+def _messages(batch):
+    return [[{"role": "user", "content": p}] for p in (PROMPTS * 4)[:batch]]
 
 
-def hf_tps(model: str, batch: int, tokens: int) -> float:
-    from transformers import AutoModelForCausalLM
-    from draftwise.models.loader import load_tokenizer, resolve_model_dir
-    path = resolve_model_dir(model)
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    tok = load_tokenizer(path)
-    tok.padding_side = "left"
-    if tok.pad_token is None:
-        tok.pad_token = tok.eos_token
-    texts = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
-             for p in (PROMPTS * 4)[:batch]]
-    enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
-    with torch.inference_mode():
-        hf.generate(**enc, max_new_tokens=2, do_sample=False)
+class DraftwiseRunner:
+    def __init__(self, model: str, batch: int, tokens: int, enforce_eager: bool):
+        from draftwise import LLM, SamplingParams
         t0 = time.perf_counter()
-        out = hf.generate(**enc, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False)
-        dt = time.perf_counter() - t0
-    return (out.shape[1] - enc.input_ids.shape[1]) * batch / dt
+        self.llm = LLM(model, max_model_len=1024, max_num_seqs=batch, enforce_eager=enforce_eager)
+        self.startup_s = time.perf_counter() - t0
+        self.prompts = [self.llm.apply_chat_template(m) for m in _messages(batch)]
+        self.sp = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+        self.llm.generate(self.prompts[:1], SamplingParams(temperature=0, max_tokens=4))
+
+    def __call__(self) -> float:
+        t0 = time.perf_counter()
+        outs = self.llm.generate(self.prompts, self.sp)
+        return sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - t0)
+
+
+class HFRunner:
+    def __init__(self, model: str, batch: int, tokens: int):
+        from transformers import AutoModelForCausalLM
+        from draftwise.models.loader import load_tokenizer, resolve_model_dir
+        path = resolve_model_dir(model)
+        self.hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        tok = load_tokenizer(path)
+        tok.padding_side = "left"
+        if tok.pad_token is None:
+            tok.pad_token = tok.eos_token
+        texts = [tok.apply_chat_template(m, tokenize=False, add_generation_prompt=True) for m in _messages(batch)]
+        self.enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+        self.batch, self.tokens = batch, tokens
+        with torch.inference_mode():
+            self.hf.generate(**self.enc, max_new_tokens=2, do_sample=False)
+
+    def __call__(self) -> float:
+        with torch.inference_mode():
+            t0 = time.perf_counter()
+            out = self.hf.generate(**self.enc, max_new_tokens=self.tokens, min_new_tokens=self.tokens,
+                                   do_sample=False)
+            dt = time.perf_counter() - t0
+        return (out.shape[1] - self.enc.input_ids.shape[1]) * self.batch / dt
 
 
 def main(argv=None) -> None:
@@ -51,11 +69,30 @@ def main(argv=None) -> None:
     ap.add_argument("--model", default=DEFAULT_MODEL)
     ap.add_argument("--batch-sizes", default="1,8")
     ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=None)
     a = ap.parse_args(argv)
-    print("| batch | draftwise tokens/s | transformers tokens/s | ratio |\n|---|---|---|---|")
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    rows = []
     for b in [int(x) for x in a.batch_sizes.split(",")]:
-        d, h = draftwise_tps(a.model, b, a.tokens), hf_tps(a.model, b, a.tokens)
-        print(f"| {b} | {d:.1f} | {h:.1f} | {d / h:.2f}x |", flush=True)
+        runners = {"compiled": DraftwiseRunner(a.model, b, a.tokens, enforce_eager=False),
+                   "eager": DraftwiseRunner(a.model, b, a.tokens, enforce_eager=True),
+                   "transformers": HFRunner(a.model, b, a.tokens)}
+        res = {k: [] for k in runners}
+        for _ in range(a.rounds):
+            for k, run in runners.items():
+                res[k].append(run())
+        med = {k: statistics.median(v) for k, v in res.items()}
+        rows.append((b, med, runners["compiled"].startup_s))
+        del runners
+    print("| batch | draftwise compiled tok/s | draftwise eager tok/s | transformers tok/s | "
+          "compiled / transformers | eager / transformers | start-up (compiled) |")
+    print("|---|---|---|---|---|---|---|")
+    for b, m, st in rows:
+        h = m["transformers"]
+        print(f"| {b} | {m['compiled']:.1f} | {m['eager']:.1f} | {h:.1f} | {m['compiled'] / h:.2f}x | "
+              f"{m['eager'] / h:.2f}x | {st:.0f} s |", flush=True)
 
 
 if __name__ == "__main__":

@@ -43,6 +43,7 @@ def add_bench_args(p) -> None:
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--out", default="bench_out")
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--enforce-eager", action="store_true", help="eager mode (no compiled graphs)")
 
 
 def parse_methods(s: str) -> list[tuple[str, object]]:
@@ -85,7 +86,7 @@ def _chat_turns(llm_or_tok, convs, generate_fn, max_turns, batch_size, bar=None)
 def run_engine_method(name, spec, args, convs, bar=None) -> dict:
     from draftwise import LLM, SamplingParams
     llm = LLM(args.model, max_model_len=args.max_model_len, max_num_seqs=max(1, args.batch_size),
-              speculative_config=spec)
+              speculative_config=spec, enforce_eager=True if args.enforce_eager else None)
     sp = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     # warm up (allocator, kernels) outside the timed region
     llm.generate([{"prompt_token_ids": [1, 2, 3, 4]}], SamplingParams(temperature=0, max_tokens=4))

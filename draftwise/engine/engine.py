@@ -41,7 +41,9 @@ class LLMEngine:
             self.proposer = build_proposer(self.spec_config, self.model, self.model_cfg, config,
                                            self.model_path)
             self.num_spec_tokens = self.spec_config.num_speculative_tokens
-        if torch.device(config.device).type == "cpu":
+        if torch.device(config.device).type == "cpu" and config.enforce_eager:
+            # eager CPU matmuls: keep a transposed copy for multi-row GEMMs (compiled graphs
+            # choose their own kernels)
             from draftwise.layers.linear import prepare_linears_for_inference
             prepare_linears_for_inference(self.model)
             draft = getattr(self.proposer, "model", None)

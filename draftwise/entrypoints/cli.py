@@ -23,6 +23,19 @@ def _engine_args(p: argparse.ArgumentParser, spec_default: str | None = DEFAULT_
     p.add_argument("--device", default="cpu")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: all cores)")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="skip compiled graphs (no warmup; slower steps; for debugging)")
+    p.add_argument("--compile-sizes", default=None,
+                   help="static token buckets for compiled graphs, e.g. 1,2,4,8 (default)")
+
+
+def _compile_sizes(s: str | None):
+    if not s:
+        return None
+    try:
+        return tuple(int(x) for x in s.split(","))
+    except ValueError:
+        raise ValueError(f"--compile-sizes must be comma-separated integers, got {s!r}") from None
 
 
 def _spec_from_arg(s: str | None):
@@ -42,7 +55,9 @@ def build_llm(args):
         torch.set_num_threads(args.threads)
     return LLM(args.model, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                block_size=args.block_size, dtype=args.dtype, device=args.device, seed=args.seed,
-               speculative_config=_spec_from_arg(args.speculative_config))
+               speculative_config=_spec_from_arg(args.speculative_config),
+               enforce_eager=True if args.enforce_eager else None,
+               compile_sizes=_compile_sizes(args.compile_sizes))
 
 
 def _sampling(args):

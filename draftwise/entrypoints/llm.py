@@ -14,12 +14,14 @@ class LLM:
     def __init__(self, model: str = DEFAULT_MODEL, *, max_model_len: int = 2048, max_num_seqs: int = 16,
                  max_num_batched_tokens: int | None = None, block_size: int = 16,
                  num_kv_blocks: int | None = None, dtype: str = "float32", device: str = "cpu",
-                 seed: int = 0, speculative_config=None):
+                 seed: int = 0, speculative_config=None, enforce_eager: bool | None = None,
+                 compile_sizes: tuple[int, ...] | None = None):
         spec = SpeculativeConfig.from_any(speculative_config)
         cfg = EngineConfig(model=model, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                            max_num_batched_tokens=max_num_batched_tokens or max(max_model_len, 512),
                            block_size=block_size, num_kv_blocks=num_kv_blocks, dtype=dtype,
-                           device=device, seed=seed, speculative_config=spec)
+                           device=device, seed=seed, speculative_config=spec,
+                           enforce_eager=enforce_eager, compile_sizes=compile_sizes)
         self.engine = LLMEngine(cfg)
 
     @property

@@ -867,6 +867,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--served-model-name", default=None, help="model id clients send (default: --model)")
     parser.add_argument("--seed", type=int, default=0, help="engine seed (default: 0)")
     parser.add_argument("--dtype", default=None, help="float32 (default), bfloat16, float16")
+    parser.add_argument("--enforce-eager", action="store_true",
+                        help="skip compiled graphs (no warmup at start-up; slower steps)")
     parser.add_argument("--shutdown-timeout", type=float, default=30.0,
                         help="seconds to let running requests finish on SIGTERM (default: 30)")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -896,6 +898,8 @@ def build_llm(args):
         kw["max_num_seqs"] = args.max_num_seqs
     if getattr(args, "dtype", None):
         kw["dtype"] = args.dtype
+    if getattr(args, "enforce_eager", False):
+        kw["enforce_eager"] = True
     spec_arg = args.speculative_config
     if spec_arg is not None and spec_arg.strip().lower() in ("none", "null", ""):
         return LLM(args.model, speculative_config=None, **kw)

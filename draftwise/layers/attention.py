@@ -16,6 +16,7 @@ The metadata is built once per forward and shared by every layer.
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -108,25 +109,82 @@ class AttentionMetadata:
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """q: [T, H, D]; k, v: [T, Hkv, D]; caches: [num_slots, Hkv, D]. Returns [T, H, D]."""
+    """q: [T, H, D]; k, v: [T, Hkv, D]; caches: [num_slots, Hkv, D]. Returns [T, H, D].
+
+    Grouped-query heads are folded into the query axis ([R, Hkv, G * max_q, D], the mask repeated
+    per group) so SDPA runs one dense kernel per KV head instead of expanding K/V."""
     k_cache.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
     v_cache.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
     R = meta.num_reqs
     T, H, D = q.shape
-    keys = k_cache[meta.kv_slots].transpose(1, 2)      # [R, Hkv, max_kv, D]
-    vals = v_cache[meta.kv_slots].transpose(1, 2)
+    Hkv = k_cache.shape[1]
+    G = H // Hkv
+    flat = meta.kv_slots.view(-1)
+    max_kv = meta.kv_slots.shape[1]
+    keys = k_cache.index_select(0, flat).view(R, max_kv, Hkv, D).transpose(1, 2)   # [R, Hkv, max_kv, D]
+    vals = v_cache.index_select(0, flat).view(R, max_kv, Hkv, D).transpose(1, 2)
     if meta.uniform:
         qp = q.view(R, T // R, H, D)
     else:
         qp = torch.cat([q, q.new_zeros(1, H, D)], 0)[meta.q_index]
-    qp = qp.transpose(1, 2)                             # [R, H, max_q, D]
-    out = F.scaled_dot_product_attention(qp, keys.to(q.dtype), vals.to(q.dtype),
-                                         attn_mask=meta.attn_mask, scale=scale,
-                                         enable_gqa=keys.shape[1] != H)
-    out = out.transpose(1, 2)                           # [R, max_q, H, D]
+    max_q = qp.shape[1]
+    # [R, max_q, Hkv, G, D] -> [R, Hkv, G, max_q, D] -> [R, Hkv, G * max_q, D]
+    qg = qp.view(R, max_q, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(R, Hkv, G * max_q, D)
+    mask = meta.attn_mask
+    if mask is not None and G > 1:
+        mask = mask.repeat(1, 1, G, 1)
+    out = F.scaled_dot_product_attention(qg, keys.to(q.dtype), vals.to(q.dtype), attn_mask=mask,
+                                         scale=scale)
+    out = out.view(R, Hkv, G, max_q, D).permute(0, 3, 1, 2, 4)    # [R, max_q, Hkv, G, D]
     if meta.uniform:
         return out.reshape(T, H, D)
-    return out.reshape(-1, H, D)[meta.out_index]
+    return out.reshape(R * max_q, H, D)[meta.out_index]
+
+
+# --- the attention call inside (possibly compiled) model code ---------------------------------------
+# A compiled graph cannot take the per-step metadata (Python lists, ragged shapes) as inputs without
+# recompiling for every batch. As in vLLM, the metadata and the KV cache travel in a forward context
+# set around the call, and attention is an opaque custom op that reads it: the graph around it is
+# compiled for a padded token count, the op attends over the real tokens only.
+_context: list[tuple[AttentionMetadata, object]] = []
+
+
+@contextmanager
+def forward_context(meta: AttentionMetadata, kv_cache):
+    _context.append((meta, kv_cache))
+    try:
+        yield
+    finally:
+        _context.pop()
+
+
+@torch.library.custom_op("draftwise::paged_attention", mutates_args=())
+def _paged_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_idx: int,
+                        scale: float) -> torch.Tensor:
+    if not _context:
+        raise RuntimeError("paged attention called outside a forward_context")
+    meta, kv_cache = _context[-1]
+    n = meta.slot_mapping.shape[0]          # real tokens; rows past n are bucket padding
+    k_cache, v_cache = kv_cache.layer(layer_idx)
+    out = paged_attention(q[:n], k[:n], v[:n], k_cache, v_cache, meta, scale)
+    if n == q.shape[0]:
+        return out.contiguous()
+    return torch.cat([out, out.new_zeros(q.shape[0] - n, *q.shape[1:])], 0)
+
+
+@_paged_attention_op.register_fake
+def _(q, k, v, layer_idx, scale):
+    return torch.empty_like(q)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_idx: int, scale: float,
+           meta: AttentionMetadata | None, kv_cache) -> torch.Tensor:
+    """Attention for layer `layer_idx`: direct in eager mode (metadata passed in), through the
+    custom op when the metadata lives in the forward context (compiled graphs pass None)."""
+    if meta is not None:
+        k_cache, v_cache = kv_cache.layer(layer_idx)
+        return paged_attention(q, k, v, k_cache, v_cache, meta, scale)
+    return _paged_attention_op(q, k, v, layer_idx, scale)
 
 
 def slots_for_positions(block_tables: torch.Tensor, req_index: torch.Tensor, positions: torch.Tensor,

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from draftwise.config import ModelConfig
-from draftwise.layers.attention import AttentionMetadata, paged_attention
+from draftwise.layers.attention import AttentionMetadata, attend
 from draftwise.layers.norm import RMSNorm
 from draftwise.layers.rotary import RotaryEmbedding
 
@@ -45,8 +45,7 @@ class Attention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotary(positions, q, k)
-        k_cache, v_cache = kv_cache.layer(self.layer_idx)
-        o = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
+        o = attend(q, k, v, self.layer_idx, self.scale, meta, kv_cache)
         return self.o_proj(o.reshape(T, self.q_size))
 
 
@@ -188,6 +187,16 @@ class LlamaForCausalLM(nn.Module):
     # --- forward --------------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_cache, logits_indices: torch.Tensor | None = None) -> TargetOutput:
+        h, aux = self.run_layers(input_ids, positions, meta, kv_cache)
+        logits = None
+        if logits_indices is not None:
+            logits = self.compute_logits(h[logits_indices])
+        return TargetOutput(h, aux, logits)
+
+    def run_layers(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                   meta: AttentionMetadata | None = None, kv_cache=None):
+        """Embedding, decoder layers and final norm: (normed hidden [T, H], aux [T, k*H] or None).
+        With meta=None attention reads the forward context (the compiled path)."""
         h = self.embed_tokens(input_ids)
         captured = {}
         wanted = self.aux_hidden_state_layers
@@ -195,12 +204,8 @@ class LlamaForCausalLM(nn.Module):
             if i in wanted:
                 captured[i] = h
             h = layer(h, positions, meta, kv_cache, self.rotary)
-        h = self.norm(h)
-        logits = None
-        if logits_indices is not None:
-            logits = self.compute_logits(h[logits_indices])
         aux_t = torch.cat([captured[i] for i in wanted], dim=-1) if wanted else None
-        return TargetOutput(h, aux_t, logits)
+        return self.norm(h), aux_t
 
     def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
         return self.lm_head(h)

@@ -65,6 +65,12 @@ class DFlashProposer(Proposer):
     def aux_layers(self):
         return tuple(self._aux)
 
+    def compile_graphs(self, compile_method, common: dict, dtype, device) -> list:
+        H = self.target.config.hidden_size
+        return [compile_method(self.model, "forward", "dflash block", 2,
+                               lambda n: (torch.zeros(n, H, dtype=dtype, device=device),
+                                          torch.arange(n, device=device)), **common)]
+
     # ------------------------------------------------------------------------------------------
     def propose(self, inp: ProposerInput, kv_cache, block_size: int, num_spec_tokens: int):
         R = len(inp.query_lens)

@@ -45,6 +45,18 @@ class EagleProposer(Proposer):
     def aux_layers(self):
         return tuple(self._aux)
 
+    def compile_graphs(self, compile_method, common: dict, dtype, device) -> list:
+        m, H = self.model, self.model.config.hidden_size
+
+        def layer_inputs(n):
+            return (torch.zeros(n, dtype=torch.long, device=device), torch.arange(n, device=device),
+                    torch.zeros(n, H, dtype=dtype, device=device))
+
+        return [compile_method(m, "forward", "eagle3 layer", 3, layer_inputs, **common),
+                compile_method(m, "compute_logits", "eagle3 lm_head", 1,
+                               lambda n: (torch.zeros(n, H, dtype=dtype, device=device),),
+                               uses_attention=False, **common)]
+
     # ------------------------------------------------------------------------------------------
     def _prefill(self, inp: ProposerInput, kv_cache, block_size):
         """Draft prefill over the valid rows; returns pre-norm hidden [Tv, H] and last-row index per request."""

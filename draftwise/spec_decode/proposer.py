@@ -38,5 +38,9 @@ class Proposer:
     def aux_layers(self) -> tuple[int, ...]:
         return ()
 
+    def compile_graphs(self, compile_method, common: dict, dtype, device) -> list:
+        """Compile the drafter's passes (see worker/compiled_graphs.py); none by default."""
+        return []
+
     def propose(self, inp: ProposerInput, kv_cache, block_size: int, num_spec_tokens: int) -> list[list[int]]:
         raise NotImplementedError

@@ -2,6 +2,7 @@
 samples / rejection-samples, and runs the proposer for the next step's drafts."""
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -15,6 +16,8 @@ from draftwise.sample.rejection_sampler import greedy_rejection_sample, rejectio
 from draftwise.sample.sampler import SamplingMetadata
 from draftwise.spec_decode.metadata import SpecDecodeMetadata
 from draftwise.spec_decode.proposer import Proposer, ProposerInput
+
+logger = logging.getLogger("draftwise")
 
 
 @dataclass
@@ -65,6 +68,32 @@ class ModelRunner:
         spec = config.speculative_config
         self.fused_greedy = spec is None or spec.rejection_sampler == "fused"
         self.timer = StepTimer()
+        self.graphs = []
+        if not config.enforce_eager:
+            self._compile_graphs()
+
+    def _compile_graphs(self) -> None:
+        """Compile the target's layer stack and LM head, and the drafter's passes, for every
+        token bucket before serving (seed 000's warmup). Disk-cached across restarts."""
+        from draftwise.worker.compiled_graphs import DEFAULT_STATIC_SIZES, compile_method, configure_compile_cache
+        configure_compile_cache()
+        t0 = time.perf_counter()
+        dev, dt = self.device, self.config.torch_dtype
+        common = dict(static_sizes=self.config.compile_sizes or DEFAULT_STATIC_SIZES,
+                      max_tokens=self.config.max_num_batched_tokens, kv_cache=self.kv_cache,
+                      block_size=self.block_size)
+        H = self.model_cfg.hidden_size
+
+        def ids_pos(n):
+            return (torch.zeros(n, dtype=torch.long, device=dev), torch.arange(n, device=dev))
+
+        self.graphs.append(compile_method(self.model, "run_layers", "target", 2, ids_pos, **common))
+        self.graphs.append(compile_method(
+            self.model, "compute_logits", "target lm_head", 1,
+            lambda n: (torch.zeros(n, H, dtype=dt, device=dev),), uses_attention=False, **common))
+        if self.proposer is not None:
+            self.graphs.extend(self.proposer.compile_graphs(compile_method, common, dt, dev))
+        logger.info("compiled %d graph families in %.1f s", len(self.graphs), time.perf_counter() - t0)
 
     # --- helpers ---------------------------------------------------------------------------------
     def _block_tables(self, reqs) -> torch.Tensor:
