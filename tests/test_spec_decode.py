@@ -267,6 +267,31 @@ def test_speculation_policy_explores_then_exploits():
     assert pol.choose(32) == 0
 
 
+def test_speculation_policy_never_explores_hopeless_lengths():
+    """With measured step costs, a length that could not win even with every draft accepted
+    for free is never tried (no exploration cost at compute-bound batch sizes)."""
+    from draftwise.spec_decode.policy import SpeculationPolicy
+    pol = SpeculationPolicy(5, min_samples=2, reexplore_every=4)
+    # latency-bound up to 8 tokens, then cost grows linearly with tokens (compute-bound)
+    pol.set_step_costs({1: 0.030, 2: 0.031, 4: 0.033, 8: 0.040, 16: 0.080, 32: 0.160, 64: 0.320})
+    assert pol.cost(3) == pytest.approx(0.032)
+    assert pol.cost(128) == pytest.approx(0.640)
+    assert pol.can_win(1, 5) and pol.can_win(2, 1)
+    assert not pol.can_win(16, 1) and not pol.can_win(16, 5)
+    chosen = set()
+    for _ in range(50):
+        k = pol.choose(16)
+        chosen.add(k)
+        pol.record(16, k, 16, 0.08)
+    assert chosen == {0}
+    tried = set()
+    for _ in range(10):                                       # batch 1 still explores
+        k = pol.choose(1)
+        tried.add(k)
+        pol.record(1, k, 1, 0.03)
+    assert tried == {0, 1, 2, 5}
+
+
 def test_adaptive_speculation_is_lossless(tiny_llama):
     path, _ = tiny_llama
     ref = _ids(LLM(path, block_size=4, max_model_len=256).generate(

@@ -21,6 +21,8 @@ PRESETS = {
     "eagle3-k3": {"method": "eagle3", "num_speculative_tokens": 3},
     # tree settings chosen from a sweep on MT-bench prompts with the shipped head (see README)
     "eagle3-tree": {"method": "eagle3", "num_speculative_tokens": 12, "eagle_topk": 8, "eagle_depth": 3},
+    # 7 nodes: verification is 8 tokens, the largest static compiled bucket
+    "eagle3-tree8": {"method": "eagle3", "num_speculative_tokens": 7, "eagle_topk": 4, "eagle_depth": 2},
     "dflash": {"method": "dflash"},
     "ngram": {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 2, "prompt_lookup_max": 4},
     "eagle3-adaptive": {"method": "eagle3", "num_speculative_tokens": 5, "adaptive": True},
@@ -44,6 +46,7 @@ def add_bench_args(p) -> None:
     p.add_argument("--out", default="bench_out")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--enforce-eager", action="store_true", help="eager mode (no compiled graphs)")
+    p.add_argument("--rounds", type=int, default=1, help="sweep: repeat the sweep, report medians")
 
 
 def parse_methods(s: str) -> list[tuple[str, object]]:
@@ -83,13 +86,21 @@ def _chat_turns(llm_or_tok, convs, generate_fn, max_turns, batch_size, bar=None)
     return outputs
 
 
-def run_engine_method(name, spec, args, convs, bar=None) -> dict:
+def build_engine_llm(spec, args, max_num_seqs: int):
     from draftwise import LLM, SamplingParams
-    llm = LLM(args.model, max_model_len=args.max_model_len, max_num_seqs=max(1, args.batch_size),
+    llm = LLM(args.model, max_model_len=args.max_model_len, max_num_seqs=max(1, max_num_seqs),
               speculative_config=spec, enforce_eager=True if args.enforce_eager else None)
-    sp = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     # warm up (allocator, kernels) outside the timed region
     llm.generate([{"prompt_token_ids": [1, 2, 3, 4]}], SamplingParams(temperature=0, max_tokens=4))
+    return llm
+
+
+def run_engine_method(name, spec, args, convs, bar=None, llm=None) -> dict:
+    from draftwise import SamplingParams
+    own = llm is None
+    if own:
+        llm = build_engine_llm(spec, args, args.batch_size)
+    sp = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     eng = llm.engine
     before = eng.spec_stats.as_dict()
     eng.runner.timer.reset()
@@ -122,8 +133,9 @@ def run_engine_method(name, spec, args, convs, bar=None) -> dict:
     prop = eng.proposer
     if prop is not None and hasattr(prop, "timings"):
         res["proposer_breakdown_s"] = {k: round(v, 3) for k, v in prop.timings.items()}
-    del llm, eng
-    gc.collect()
+    if own:
+        del llm, eng
+        gc.collect()
     return res
 
 
@@ -233,16 +245,31 @@ def plot(results: list[dict], path: str) -> None:
 
 
 def run_sweep(args) -> dict:
-    """Output tokens/s per method at each batch size (one turn, batch = number of prompts)."""
+    """Output tokens/s per method at each batch size (one turn, batch = number of prompts). One
+    engine per method serves every batch size; `--rounds` repeats the whole sweep (interleaving
+    methods at each size) and the median is reported, since timings drift on shared machines."""
     import copy
+    import statistics
+    from draftwise.bench.datasets import load_prompts
+    if args.threads:
+        torch.set_num_threads(args.threads)
     sizes = [int(x) for x in args.sweep.split(",")]
-    table: dict = {}
-    for b in sizes:
-        a = copy.copy(args)
-        a.batch_size, a.num_prompts, a.max_turns, a.sweep = b, b, 1, None
-        for r in run_bench(a):
-            table.setdefault(r["method"], {})[b] = r["tokens_per_s"]
-    return {"batch_sizes": sizes, "tokens_per_s": table}
+    methods = [(n, s) for n, s in parse_methods(args.methods) if s not in PEERS]
+    if methods[0][0] != "ar":
+        methods.insert(0, ("ar", None))
+    convs = load_prompts(args.dataset, None)[::args.stride]
+    llms = {name: build_engine_llm(spec, args, max(sizes)) for name, spec in methods}
+    samples: dict = {}
+    for rnd in range(args.rounds):
+        for b in sizes:
+            a = copy.copy(args)
+            a.batch_size, a.max_turns = b, 1
+            for name, spec in methods:
+                r = run_engine_method(name, spec, a, convs[:b], llm=llms[name])
+                samples.setdefault(name, {}).setdefault(b, []).append(r["tokens_per_s"])
+                print(f"round {rnd} B={b} {name}: {r['tokens_per_s']:.1f} tok/s", flush=True)
+    table = {m: {b: statistics.median(v) for b, v in row.items()} for m, row in samples.items()}
+    return {"batch_sizes": sizes, "rounds": args.rounds, "tokens_per_s": table, "samples": samples}
 
 
 def sweep_markdown(sw: dict) -> str:

@@ -61,6 +61,9 @@ class LLMEngine:
         if self.spec_config is not None and self.spec_config.adaptive:
             from draftwise.spec_decode.policy import SpeculationPolicy
             self.policy = SpeculationPolicy(self.num_spec_tokens)
+            limit = min(config.max_num_batched_tokens, config.max_num_seqs * (1 + self.num_spec_tokens))
+            sizes = sorted({1 << i for i in range(12) if 1 << i < limit} | {limit})
+            self.policy.set_step_costs(self.runner.measure_target_costs(sizes))
         self.num_steps = 0
         self._k_prev: int | None = None
 

@@ -23,8 +23,11 @@ def _engine_args(p: argparse.ArgumentParser, spec_default: str | None = DEFAULT_
     p.add_argument("--device", default="cpu")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: all cores)")
-    p.add_argument("--enforce-eager", action="store_true",
-                   help="skip compiled graphs (no warmup; slower steps; for debugging)")
+    # one-shot commands run eager by default: compiling every bucket takes a minute or more on a
+    # small CPU (minutes the first time), more than a short generation saves
+    p.add_argument("--compile", action="store_true",
+                   help="compiled graphs with warmup buckets (faster steps after a 1-5 min warmup; "
+                        "`serve` and `bench` compile by default)")
     p.add_argument("--compile-sizes", default=None,
                    help="static token buckets for compiled graphs, e.g. 1,2,4,8 (default)")
 
@@ -56,7 +59,7 @@ def build_llm(args):
     return LLM(args.model, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                block_size=args.block_size, dtype=args.dtype, device=args.device, seed=args.seed,
                speculative_config=_spec_from_arg(args.speculative_config),
-               enforce_eager=True if args.enforce_eager else None,
+               enforce_eager=not args.compile,
                compile_sizes=_compile_sizes(args.compile_sizes))
 
 

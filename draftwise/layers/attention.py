@@ -44,6 +44,8 @@ class AttentionMetadata:
     out_index: torch.Tensor | None = None   # [T] rows of the padded [R*max_q] output
     attn_mask: torch.Tensor | None = None   # [R, 1, max_q, max_kv] bool or None (no masking needed)
     uniform: bool = False                   # all query_lens equal: pure reshapes
+    kv_start: int | None = None             # one request whose visible entries are consecutive
+    #   cache slots kv_start .. kv_start + seq_len - 1: K/V are read in place (no gather)
 
     @property
     def num_reqs(self) -> int:
@@ -60,6 +62,11 @@ class AttentionMetadata:
         width = self.block_tables.shape[1]
         blk = torch.clamp(j // self.block_size, max=width - 1)
         self.kv_slots = self.block_tables[:, blk] * self.block_size + (j % self.block_size)[None, :]
+        self.kv_start = None
+        if R == 1 and self.block_tables.device.type == "cpu":
+            used = self.block_tables[0, :-(-max_kv // self.block_size)]
+            if used.numel() == 1 or bool((used[1:] - used[:-1] == 1).all()):
+                self.kv_start = int(used[0]) * self.block_size
         self.uniform = min(self.query_lens) == max_q
         if not self.uniform:
             starts = torch.cumsum(q_lens, 0) - q_lens
@@ -119,10 +126,14 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     T, H, D = q.shape
     Hkv = k_cache.shape[1]
     G = H // Hkv
-    flat = meta.kv_slots.view(-1)
     max_kv = meta.kv_slots.shape[1]
-    keys = k_cache.index_select(0, flat).view(R, max_kv, Hkv, D).transpose(1, 2)   # [R, Hkv, max_kv, D]
-    vals = v_cache.index_select(0, flat).view(R, max_kv, Hkv, D).transpose(1, 2)
+    if meta.kv_start is not None:       # consecutive blocks: read the cache in place
+        keys = k_cache[meta.kv_start:meta.kv_start + max_kv].unsqueeze(0).transpose(1, 2)
+        vals = v_cache[meta.kv_start:meta.kv_start + max_kv].unsqueeze(0).transpose(1, 2)
+    else:
+        flat = meta.kv_slots.view(-1)
+        keys = k_cache.index_select(0, flat).view(R, max_kv, Hkv, D).transpose(1, 2)   # [R, Hkv, max_kv, D]
+        vals = v_cache.index_select(0, flat).view(R, max_kv, Hkv, D).transpose(1, 2)
     if meta.uniform:
         qp = q.view(R, T // R, H, D)
     else:

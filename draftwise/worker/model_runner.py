@@ -95,6 +95,29 @@ class ModelRunner:
             self.graphs.extend(self.proposer.compile_graphs(compile_method, common, dt, dev))
         logger.info("compiled %d graph families in %.1f s", len(self.graphs), time.perf_counter() - t0)
 
+    @torch.inference_mode()
+    def measure_target_costs(self, sizes, repeats: int = 3) -> dict[int, float]:
+        """Seconds per target forward (layers + LM head on every row) for each token count in
+        `sizes`, best of `repeats`, on scratch KV blocks (call before serving)."""
+        from draftwise.worker.compiled_graphs import warmup_metadata
+        scratch = list(range(self.kv_cache.num_blocks))
+        costs = {}
+        for n in sizes:
+            if -(-n // self.block_size) > len(scratch):
+                break
+            meta = warmup_metadata(n, scratch, self.block_size, self.device)
+            ids = torch.zeros(n, dtype=torch.long, device=self.device)
+            pos = torch.arange(n, device=self.device)
+            best = float("inf")
+            for i in range(repeats + 1):
+                t0 = time.perf_counter()
+                h, _ = self.model.run_layers(ids, pos, meta, self.kv_cache)
+                self.model.compute_logits(h)
+                if i:
+                    best = min(best, time.perf_counter() - t0)
+            costs[n] = best
+        return costs
+
     # --- helpers ---------------------------------------------------------------------------------
     def _block_tables(self, reqs) -> torch.Tensor:
         width = max(1, max(len(r.block_ids) for r in reqs))
