@@ -252,44 +252,50 @@ def test_distribution_test_detects_a_broken_sampler(small_vocab, monkeypatch):
     assert stat > chi2_critical(df), (stat, df)
 
 
-def test_speculation_policy_explores_then_exploits():
+def _policy(costs, **kw):
     from draftwise.spec_decode.policy import SpeculationPolicy
-    pol = SpeculationPolicy(5, min_samples=2, reexplore_every=1000)
-    fake_rate = {0: 10.0, 1: 14.0, 2: 17.0, 5: 12.0}          # tokens/s per k at batch 1
-    for _ in range(20):
-        k = pol.choose(1)
-        pol.record(1, k, int(fake_rate[k] * 10), 10.0)
-    assert pol.choose(1) == 2
-    # at a large batch speculation loses: the policy falls back to plain decoding
-    for _ in range(20):
-        k = pol.choose(32)
-        pol.record(32, k, 300 if k == 0 else 200, 1.0)
-    assert pol.choose(32) == 0
+    pol = SpeculationPolicy(5, **kw)
+    pol.set_step_costs(costs)
+    return pol
 
 
-def test_speculation_policy_never_explores_hopeless_lengths():
-    """With measured step costs, a length that could not win even with every draft accepted
-    for free is never tried (no exploration cost at compute-bound batch sizes)."""
-    from draftwise.spec_decode.policy import SpeculationPolicy
-    pol = SpeculationPolicy(5, min_samples=2, reexplore_every=4)
-    # latency-bound up to 8 tokens, then cost grows linearly with tokens (compute-bound)
-    pol.set_step_costs({1: 0.030, 2: 0.031, 4: 0.033, 8: 0.040, 16: 0.080, 32: 0.160, 64: 0.320})
+# latency-bound up to 8 tokens, then cost grows linearly with tokens (compute-bound)
+COSTS = {1: 0.030, 2: 0.031, 4: 0.033, 8: 0.040, 16: 0.080, 32: 0.160, 64: 0.320}
+
+
+def test_speculation_policy_cost_model():
+    pol = _policy(COSTS)
     assert pol.cost(3) == pytest.approx(0.032)
     assert pol.cost(128) == pytest.approx(0.640)
-    assert pol.can_win(1, 5) and pol.can_win(2, 1)
-    assert not pol.can_win(16, 1) and not pol.can_win(16, 5)
-    chosen = set()
-    for _ in range(50):
-        k = pol.choose(16)
-        chosen.add(k)
-        pol.record(16, k, 16, 0.08)
-    assert chosen == {0}
-    tried = set()
-    for _ in range(10):                                       # batch 1 still explores
-        k = pol.choose(1)
-        tried.add(k)
-        pol.record(1, k, 1, 0.03)
-    assert tried == {0, 1, 2, 5}
+    # prior acceptance 0.5^j, free drafting: 1 + 0.5 + 0.25 + ... tokens per step
+    assert pol.throughput(1, 2) == pytest.approx(1.75 / 0.032)
+    assert pol.throughput(16, 0) == pytest.approx(16 / 0.080)
+
+
+def test_speculation_policy_speculates_when_cheap_and_accepted():
+    pol = _policy(COSTS)
+    for _ in range(400):                      # drafts of 5, the first 4 always accepted
+        pol.observe_acceptance(5, 4)
+    assert pol.acceptance()[:4] == pytest.approx([1, 1, 1, 1], abs=0.02)
+    pol.observe_draft_time(1, 5, 0.004)
+    assert pol.choose(1) >= 4
+    # at a compute-bound batch size even perfect drafts cannot pay for verification
+    assert pol.choose(16) == 0
+
+
+def test_speculation_policy_falls_back_when_acceptance_or_drafting_is_poor():
+    pol = _policy(COSTS)
+    for _ in range(400):
+        pol.observe_acceptance(5, 0)          # nothing accepted
+    assert pol.choose(1) == 0
+    pol = _policy(COSTS)
+    for _ in range(400):
+        pol.observe_acceptance(3, 1)          # a_1 = 1, a_2 = a_3 = 0
+    pol.observe_draft_time(1, 1, 0.040)       # drafting as slow as a target step
+    assert pol.choose(1) == 0
+    pol.draft_costs.clear()
+    pol.observe_draft_time(1, 1, 0.001)       # cheap drafting: one draft (the only one accepted)
+    assert pol.choose(1) == 1
 
 
 def test_adaptive_speculation_is_lossless(tiny_llama):
@@ -299,4 +305,4 @@ def test_adaptive_speculation_is_lossless(tiny_llama):
     llm = LLM(path, block_size=4, max_model_len=256,
               speculative_config={"method": "ngram", "num_speculative_tokens": 4, "adaptive": True})
     assert _ids(llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY)) == ref
-    assert llm.engine.policy.rate
+    assert llm.engine.policy.step_costs and llm.engine.policy.chosen

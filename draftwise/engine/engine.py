@@ -65,7 +65,6 @@ class LLMEngine:
             sizes = sorted({1 << i for i in range(12) if 1 << i < limit} | {limit})
             self.policy.set_step_costs(self.runner.measure_target_costs(sizes))
         self.num_steps = 0
-        self._k_prev: int | None = None
 
     # --- requests ----------------------------------------------------------------------------------
     def tokenize_prompt(self, prompt) -> tuple[str | None, list[int]]:
@@ -118,7 +117,6 @@ class LLMEngine:
 
     # --- one step ------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        t_step = time.perf_counter()
         sched = self.scheduler.schedule()
         if not sched.scheduled:
             if self.scheduler.running or self.scheduler.waiting:
@@ -139,6 +137,8 @@ class LLMEngine:
             if s.num_draft_tokens:
                 self.spec_stats.observe(s.num_draft_tokens, acc)
                 req.metrics.observe(s.num_draft_tokens, acc)
+                if self.policy is not None:
+                    self.policy.observe_acceptance(s.num_draft_tokens, acc)
             appended = self.scheduler.update(s, new, acc)
             new_text = self._detokenize(req)
             if req.is_finished:
@@ -153,7 +153,10 @@ class LLMEngine:
             # stale, which can only lower later acceptance, never change outputs)
             drafts = [[] for _ in sched.scheduled]
         else:
+            t_draft = time.perf_counter()
             drafts = self.runner.propose(step, k)
+            if self.policy is not None:
+                self.policy.observe_draft_time(len(sched.scheduled), k, time.perf_counter() - t_draft)
         for s, d in zip(sched.scheduled, drafts):
             if not s.request.is_finished and d:
                 if isinstance(d, list):
@@ -162,12 +165,6 @@ class LLMEngine:
                     s.request.spec_tree = d
         self.runner.timer.add("bookkeeping", t1 - t0)
         self.num_steps += 1
-        if self.policy is not None:
-            # the cycle just measured verified the drafts chosen in the previous step (k_prev)
-            produced = sum(len(n) for n in step.new_token_ids)
-            if self._k_prev is not None:
-                self.policy.record(len(sched.scheduled), self._k_prev, produced, time.perf_counter() - t_step)
-            self._k_prev = k
         for o in outputs:
             if o.finished:
                 self.requests.pop(o.request_id, None)
@@ -204,6 +201,6 @@ class LLMEngine:
              "num_steps": self.num_steps,
              "step_time_s": dict(self.runner.timer.totals)}
         if self.policy is not None:
-            d["speculation_policy_tokens_per_s"] = self.policy.table()
+            d["speculation_policy"] = self.policy.table()
         return d
 

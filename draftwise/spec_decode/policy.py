@@ -1,40 +1,72 @@
 """Per-step choice of how many tokens to speculate, so speculation never loses to plain decoding.
 
-Policy (measured, not modelled): for each batch-size bucket (1, 2, 4, …, 64) the engine keeps an
-exponential moving average of *output tokens per second* observed for each candidate draft length
-k in {0, 1, 2, K/2, K}. A bucket first tries every candidate a few times (exploration), then uses the
-best one, and re-tries the others every `reexplore_every` steps so the estimates follow changes in
-acceptance (prompts differ) and in step cost. k = 0 means plain decoding: the drafter is skipped
-for that step (its KV for those positions goes stale, which can lower later acceptance but never
-changes outputs). Because k = 0 is always a candidate, measured
-throughput can only fall below autoregressive decoding by the exploration steps and the drafter's
-KV-update pass.
+The policy models a step's throughput instead of exploring it:
 
-Exploration is pruned with the target's step costs measured at start-up (`set_step_costs`, from
-`ModelRunner.measure_target_costs`): a draft length k is never tried at batch size B when even
-perfect acceptance with free drafting could not beat plain decoding, i.e. when
-B * (1 + k) / cost(B * (1 + k)) <= B / cost(B). At large batches, where verification is
-compute-bound, this keeps the engine on plain decoding without paying exploration steps."""
+    tokens/s(k) = B * (1 + a_1 + ... + a_k) / (verify(B * (1 + k)) + draft(B, k))
+
+- `verify(T)`: seconds of one target forward over T tokens, measured at start-up for a grid of
+  token counts (`ModelRunner.measure_target_costs`, after the compiled graphs are warm) and
+  interpolated piecewise-linearly; k = 0 is plain decoding, verify(B).
+- `a_j`: probability that the first j drafts of a request are all accepted, estimated online from
+  every verified draft (exponentially decayed counts, starting from a prior of 0.5^j). The
+  expected tokens per request per step is 1 + sum_j a_j (the bonus token plus accepted drafts).
+- `draft(B, k)`: the drafter's measured seconds per step at this batch bucket and length k
+  (decayed average; unmeasured lengths are scaled from a measured one, or taken as free).
+
+`choose(B)` returns the k in 0..K with the highest modelled tokens/s, and 0 unless speculation
+beats plain decoding by `margin`. No step is spent exploring: at compute-bound batch sizes, where
+verifying B(1+k) tokens costs about (1+k) times verifying B, the model picks k = 0 from the
+start-up costs alone, and the drafter is skipped for that step (its KV for those positions goes
+stale, which can lower later acceptance but never changes outputs). Acceptance keeps being
+learned whenever drafts are verified."""
 from __future__ import annotations
 
 import math
 
 
 class SpeculationPolicy:
-    def __init__(self, max_k: int, min_samples: int = 2, ema: float = 0.3, reexplore_every: int = 64):
+    def __init__(self, max_k: int, prior: float = 0.5, prior_weight: float = 4.0,
+                 decay: float = 0.995, margin: float = 0.03):
         self.max_k = max_k
-        self.candidates = sorted({0, 1, min(2, max_k), max(1, max_k // 2), max_k})
-        self.min_samples = min_samples
-        self.ema = ema
-        self.reexplore_every = reexplore_every
-        self.rate: dict[tuple[int, int], float] = {}
-        self.count: dict[tuple[int, int], int] = {}
-        self.steps: dict[int, int] = {}
+        self.margin = margin
+        self.decay = decay
+        # decayed counts: drafts that reached position j, and those accepted through position j
+        self.reached = [prior_weight] * max_k
+        self.accepted = [prior_weight * prior ** (j + 1) for j in range(max_k)]
         self.step_costs: dict[int, float] = {}
+        self.draft_costs: dict[tuple[int, int], float] = {}
+        self.chosen: dict[tuple[int, int], int] = {}
 
+    @staticmethod
+    def bucket(batch_size: int) -> int:
+        return 1 << max(0, math.ceil(math.log2(max(1, batch_size))))
+
+    # --- what is measured ------------------------------------------------------------------------
     def set_step_costs(self, costs: dict[int, float]) -> None:
         """Target forward seconds per token count, measured at start-up."""
         self.step_costs = {int(t): float(c) for t, c in costs.items() if c > 0}
+
+    def observe_acceptance(self, num_draft: int, num_accepted: int) -> None:
+        """One verified draft of `num_draft` tokens of which the first `num_accepted` were accepted."""
+        for j in range(min(num_draft, self.max_k)):
+            self.reached[j] = self.reached[j] * self.decay + 1.0
+            self.accepted[j] = self.accepted[j] * self.decay + (1.0 if num_accepted > j else 0.0)
+
+    def observe_draft_time(self, batch_size: int, k: int, seconds: float) -> None:
+        if k <= 0 or seconds < 0:
+            return
+        key = (self.bucket(batch_size), k)
+        old = self.draft_costs.get(key)
+        self.draft_costs[key] = seconds if old is None else 0.8 * old + 0.2 * seconds
+
+    # --- the model ------------------------------------------------------------------------------
+    def acceptance(self) -> list[float]:
+        """a_j for j = 1..K (monotone non-increasing)."""
+        out, prev = [], 1.0
+        for j in range(self.max_k):
+            prev = min(prev, self.accepted[j] / self.reached[j])
+            out.append(prev)
+        return out
 
     def cost(self, tokens: int) -> float | None:
         """Piecewise-linear interpolation of the measured step costs (linear extrapolation past
@@ -52,37 +84,36 @@ class SpeculationPolicy:
         (t0, c0), (t1, c1) = pts[-2], pts[-1]
         return c1 + (c1 - c0) * (tokens - t1) / (t1 - t0)
 
-    def can_win(self, batch_size: int, k: int) -> bool:
-        """Could k beat plain decoding at this batch size if every draft were accepted for free?"""
-        if k == 0 or not self.step_costs:
-            return True
+    def draft_cost(self, batch_size: int, k: int) -> float:
+        if k == 0:
+            return 0.0
         b = self.bucket(batch_size)
-        return b * (1 + k) / self.cost(b * (1 + k)) > b / self.cost(b)
+        if (b, k) in self.draft_costs:
+            return self.draft_costs[(b, k)]
+        known = [(kk, c) for (bb, kk), c in self.draft_costs.items() if bb == b]
+        if known:
+            kk, c = min(known, key=lambda x: abs(x[0] - k))
+            return c * k / kk
+        return 0.0
 
-    @staticmethod
-    def bucket(batch_size: int) -> int:
-        return 1 << max(0, math.ceil(math.log2(max(1, batch_size))))
-
-    def record(self, batch_size: int, k: int, tokens: int, seconds: float) -> None:
-        if seconds <= 0 or batch_size <= 0:
-            return
-        key = (self.bucket(batch_size), k)
-        r = tokens / seconds
-        self.rate[key] = r if key not in self.rate else (1 - self.ema) * self.rate[key] + self.ema * r
-        self.count[key] = self.count.get(key, 0) + 1
+    def throughput(self, batch_size: int, k: int) -> float:
+        """Modelled output tokens/s at this batch size with k drafts per request."""
+        a = self.acceptance()
+        expected = 1.0 + sum(a[:k])
+        seconds = self.cost(batch_size * (1 + k)) + self.draft_cost(batch_size, k)
+        return batch_size * expected / seconds
 
     def choose(self, batch_size: int) -> int:
-        b = self.bucket(batch_size)
-        n = self.steps[b] = self.steps.get(b, 0) + 1
-        cands = [k for k in self.candidates if self.can_win(b, k)]
-        for k in cands:
-            if self.count.get((b, k), 0) < self.min_samples:
-                return k
-        best = max(cands, key=lambda k: self.rate[(b, k)])
-        if n % self.reexplore_every == 0 and len(cands) > 1:
-            others = [k for k in cands if k != best]
-            return others[(n // self.reexplore_every) % len(others)]
-        return best
+        if not self.step_costs or batch_size <= 0:
+            return self.max_k
+        base = self.throughput(batch_size, 0)
+        best = max(range(1, self.max_k + 1), key=lambda k: self.throughput(batch_size, k))
+        k = best if self.throughput(batch_size, best) > base * (1 + self.margin) else 0
+        key = (self.bucket(batch_size), k)
+        self.chosen[key] = self.chosen.get(key, 0) + 1
+        return k
 
     def table(self) -> dict:
-        return {f"b{b}_k{k}": round(r, 2) for (b, k), r in sorted(self.rate.items())}
+        return {"acceptance": [round(x, 3) for x in self.acceptance()],
+                "chosen_steps": {f"b{b}_k{k}": n for (b, k), n in sorted(self.chosen.items())},
+                "draft_seconds": {f"b{b}_k{k}": round(c, 4) for (b, k), c in sorted(self.draft_costs.items())}}
