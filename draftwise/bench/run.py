@@ -133,6 +133,8 @@ def run_engine_method(name, spec, args, convs, bar=None, llm=None) -> dict:
     prop = eng.proposer
     if prop is not None and hasattr(prop, "timings"):
         res["proposer_breakdown_s"] = {k: round(v, 3) for k, v in prop.timings.items()}
+    if eng.policy is not None:
+        res["speculation_policy"] = eng.policy.table()
     if own:
         del llm, eng
         gc.collect()
@@ -267,7 +269,9 @@ def run_sweep(args) -> dict:
             for name, spec in methods:
                 r = run_engine_method(name, spec, a, convs[:b], llm=llms[name])
                 samples.setdefault(name, {}).setdefault(b, []).append(r["tokens_per_s"])
-                print(f"round {rnd} B={b} {name}: {r['tokens_per_s']:.1f} tok/s", flush=True)
+                pol = r.get("speculation_policy")
+                print(f"round {rnd} B={b} {name}: {r['tokens_per_s']:.1f} tok/s"
+                      + (f" policy {pol}" if pol else ""), flush=True)
     table = {m: {b: statistics.median(v) for b, v in row.items()} for m, row in samples.items()}
     return {"batch_sizes": sizes, "rounds": args.rounds, "tokens_per_s": table, "samples": samples}
 

@@ -41,14 +41,15 @@ class LLMEngine:
             self.proposer = build_proposer(self.spec_config, self.model, self.model_cfg, config,
                                            self.model_path)
             self.num_spec_tokens = self.spec_config.num_speculative_tokens
-        if torch.device(config.device).type == "cpu" and config.enforce_eager:
-            # eager CPU matmuls: keep a transposed copy for multi-row GEMMs (compiled graphs
-            # choose their own kernels)
+        if torch.device(config.device).type == "cpu":
+            # CPU matmuls: keep a transposed copy of every weight for multi-row GEMMs (and, in
+            # compiled graphs, for single rows too; see layers/linear.py)
             from draftwise.layers.linear import prepare_linears_for_inference
-            prepare_linears_for_inference(self.model)
+            gemv = bool(config.enforce_eager)
+            prepare_linears_for_inference(self.model, gemv)
             draft = getattr(self.proposer, "model", None)
             if draft is not None:
-                prepare_linears_for_inference(draft)
+                prepare_linears_for_inference(draft, gemv)
         lookahead = self.proposer.num_lookahead_tokens if self.proposer else 0
         blocks_per_seq = math.ceil((config.max_model_len + lookahead + 1) / config.block_size)
         num_blocks = config.num_kv_blocks or blocks_per_seq * config.max_num_seqs
