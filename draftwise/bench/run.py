@@ -164,12 +164,17 @@ def run_peer_method(name, args, convs, bar=None) -> dict:
             "acceptance_per_position": [], "outputs": outputs}
 
 
-def run_bench(args) -> list[dict]:
-    from tqdm import tqdm
+def _setup_and_load(args) -> list:
+    """Apply --threads and load the conversations (every --stride-th)."""
     from draftwise.bench.datasets import load_prompts
     if args.threads:
         torch.set_num_threads(args.threads)
-    convs = load_prompts(args.dataset, None)[::args.stride]
+    return load_prompts(args.dataset, None)[::args.stride]
+
+
+def run_bench(args) -> list[dict]:
+    from tqdm import tqdm
+    convs = _setup_and_load(args)
     if args.num_prompts:
         convs = convs[:args.num_prompts]
     methods = parse_methods(args.methods)
@@ -252,14 +257,11 @@ def run_sweep(args) -> dict:
     methods at each size) and the median is reported, since timings drift on shared machines."""
     import copy
     import statistics
-    from draftwise.bench.datasets import load_prompts
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    convs = _setup_and_load(args)
     sizes = [int(x) for x in args.sweep.split(",")]
     methods = [(n, s) for n, s in parse_methods(args.methods) if s not in PEERS]
     if methods[0][0] != "ar":
         methods.insert(0, ("ar", None))
-    convs = load_prompts(args.dataset, None)[::args.stride]
     llms = {name: build_engine_llm(spec, args, max(sizes)) for name, spec in methods}
     samples: dict = {}
     for rnd in range(args.rounds):

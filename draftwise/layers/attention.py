@@ -44,12 +44,22 @@ class AttentionMetadata:
     out_index: torch.Tensor | None = None   # [T] rows of the padded [R*max_q] output
     attn_mask: torch.Tensor | None = None   # [R, 1, max_q, max_kv] bool or None (no masking needed)
     uniform: bool = False                   # all query_lens equal: pure reshapes
+    _grouped_masks: dict | None = None      # attn_mask repeated per query group, by group size
     kv_start: int | None = None             # one request whose visible entries are consecutive
     #   cache slots kv_start .. kv_start + seq_len - 1: K/V are read in place (no gather)
 
     @property
     def num_reqs(self) -> int:
         return len(self.query_lens)
+
+    def grouped_mask(self, groups: int) -> torch.Tensor | None:
+        """attn_mask for `groups` query heads folded into the query axis ([R, 1, G*max_q, max_kv]);
+        built once per step and shared by every layer."""
+        if self.attn_mask is None or groups == 1:
+            return self.attn_mask
+        if groups not in self._grouped_masks:
+            self._grouped_masks[groups] = self.attn_mask.repeat(1, 1, groups, 1)
+        return self._grouped_masks[groups]
 
     def finalize(self) -> "AttentionMetadata":
         dev = self.block_tables.device
@@ -62,6 +72,7 @@ class AttentionMetadata:
         width = self.block_tables.shape[1]
         blk = torch.clamp(j // self.block_size, max=width - 1)
         self.kv_slots = self.block_tables[:, blk] * self.block_size + (j % self.block_size)[None, :]
+        self._grouped_masks = {}
         self.kv_start = None
         if R == 1 and self.block_tables.device.type == "cpu":
             used = self.block_tables[0, :-(-max_kv // self.block_size)]
@@ -141,11 +152,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     max_q = qp.shape[1]
     # [R, max_q, Hkv, G, D] -> [R, Hkv, G, max_q, D] -> [R, Hkv, G * max_q, D]
     qg = qp.view(R, max_q, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(R, Hkv, G * max_q, D)
-    mask = meta.attn_mask
-    if mask is not None and G > 1:
-        mask = mask.repeat(1, 1, G, 1)
-    out = F.scaled_dot_product_attention(qg, keys.to(q.dtype), vals.to(q.dtype), attn_mask=mask,
-                                         scale=scale)
+    out = F.scaled_dot_product_attention(qg, keys.to(q.dtype), vals.to(q.dtype),
+                                         attn_mask=meta.grouped_mask(G), scale=scale)
     out = out.view(R, Hkv, G, max_q, D).permute(0, 3, 1, 2, 4)    # [R, max_q, Hkv, G, D]
     if meta.uniform:
         return out.reshape(T, H, D)

@@ -30,7 +30,7 @@ import time
 
 import torch
 
-from draftwise.layers.attention import CAUSAL, AttentionMetadata, forward_context
+from draftwise.layers.attention import CAUSAL, AttentionMetadata, forward_context, slots_for_positions
 
 logger = logging.getLogger("draftwise")
 
@@ -89,7 +89,6 @@ class BucketedGraph:
         self.warm: set[tuple[int, bool]] = set()
         self.fallbacks = 0          # calls that ran eager because their shape was not warmed
         self.calls = 0              # calls served by a compiled graph
-        self.compile_seconds = 0.0
 
     # --- calls -----------------------------------------------------------------------------------
     def __call__(self, *args):
@@ -128,7 +127,7 @@ class BucketedGraph:
         sizes = [(s, True) for s in self.static_sizes]
         dyn = min(self.max_tokens, max(self.static_sizes) * 2 + DYNAMIC_PAD)
         if dyn > max(self.static_sizes):
-            sizes.append((-(-dyn // DYNAMIC_PAD) * DYNAMIC_PAD, False))
+            sizes.append(bucket_for(dyn, self.static_sizes))
         for size, static in sizes:
             t0 = time.perf_counter()
             tensors = make_inputs(size)
@@ -142,7 +141,6 @@ class BucketedGraph:
             else:
                 graph(*tensors)
             dt = time.perf_counter() - t0
-            self.compile_seconds += dt
             self.warm.add((size, True) if static else (0, False))
             logger.info("compiled %s for %s tokens in %.1f s", self.name,
                         size if static else f"dynamic >{max(self.static_sizes)}", dt)
@@ -155,7 +153,7 @@ def warmup_metadata(n: int, blocks: list[int], block_size: int, device) -> Atten
         raise ValueError(f"warmup needs {need} KV blocks for {n} tokens, the pool has {len(blocks)}")
     bt = torch.tensor([blocks[:need]], dtype=torch.long, device=device)
     pos = torch.arange(n, device=device)
-    slots = bt[0, pos // block_size] * block_size + pos % block_size
+    slots = slots_for_positions(bt, torch.zeros_like(pos), pos, block_size)
     return AttentionMetadata(slots, [n], [n], bt, block_size, CAUSAL).finalize()
 
 
