@@ -100,20 +100,20 @@ def test_attention_masks():
     bt = torch.arange(8)[None].repeat(2, 1)
     slots = torch.arange(5)
     m = AttentionMetadata(slots, [3, 2], [5, 4], bt, 4, CAUSAL).finalize()
-    a = m.attn_mask[:, 0]
+    a = m.groups[0].attn_mask[:, 0]
     # request 0: context 2, queries at entries 2,3,4 causal
     assert a[0, 0].tolist() == [True, True, True, False, False]
     assert a[0, 2].tolist() == [True] * 5
     # request 1: context 2, 2 queries
     assert a[1, 1].tolist() == [True, True, True, True, False]
     n = AttentionMetadata(slots, [3, 2], [5, 4], bt, 4, NONCAUSAL).finalize()
-    assert n.attn_mask[0, 0, 0].tolist() == [True] * 5
+    assert n.groups[0].attn_mask[0, 0, 0].tolist() == [True] * 5
     tm = torch.zeros(2, 3, 3, dtype=torch.bool)
     tm[0] = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)
     tm[1, :2, :2] = torch.eye(2, dtype=torch.bool)
     t = AttentionMetadata(slots, [3, 2], [5, 4], bt, 4, TREE, tm).finalize()
-    assert t.attn_mask[0, 0, 2].tolist() == [True, True, True, False, True]
-    assert t.attn_mask[1, 0, 1].tolist() == [True, True, False, True, False]
+    assert t.groups[0].attn_mask[0, 0, 2].tolist() == [True, True, True, False, True]
+    assert t.groups[0].attn_mask[1, 0, 1].tolist() == [True, True, False, True, False]
 
 
 def test_top_k_top_p_filtering():
@@ -131,3 +131,28 @@ def test_streaming_yields_incremental_tokens(tiny_llama):
     streamed = [t for c in chunks for t in c.new_token_ids]
     assert streamed == chunks[-1].outputs[0].token_ids
     assert len(chunks) == 20
+
+
+@pytest.mark.parametrize("kind", [CAUSAL, NONCAUSAL])
+def test_mixed_prefill_and_decode_attention_groups(monkeypatch, kind):
+    """A step mixing long prefill chunks with short queries splits into attention groups (short
+    queries batched, each long query alone); the result equals one padded batch."""
+    import draftwise.layers.attention as A
+    torch.manual_seed(0)
+    bs, Hkv, H, D = 4, 2, 4, 8
+    qlens, slens = [1, 20, 3, 1, 33], [9, 25, 7, 40, 33]
+    R = len(qlens)
+    bt = torch.randperm(64)[: R * 12].view(R, 12)
+    kc, vc = torch.randn(64 * bs, Hkv, D), torch.randn(64 * bs, Hkv, D)
+    req = torch.repeat_interleave(torch.arange(R), torch.tensor(qlens))
+    pos = torch.cat([torch.arange(s - q, s) for q, s in zip(qlens, slens)])
+    slots = A.slots_for_positions(bt, req, pos, bs)
+    T = sum(qlens)
+    q, k, v = torch.randn(T, H, D), torch.randn(T, Hkv, D), torch.randn(T, Hkv, D)
+    meta = AttentionMetadata(slots, qlens, slens, bt, bs, kind).finalize()
+    assert len(meta.groups) == 3 and meta.groups[0].req_index == [0, 2, 3]
+    grouped = A.paged_attention(q, k, v, kc.clone(), vc.clone(), meta, 0.3)
+    monkeypatch.setattr(A, "MAX_BATCHED_QUERY", 10_000)
+    one = AttentionMetadata(slots, qlens, slens, bt, bs, kind).finalize()
+    assert len(one.groups) == 1
+    torch.testing.assert_close(grouped, A.paged_attention(q, k, v, kc.clone(), vc.clone(), one, 0.3))

@@ -25,28 +25,27 @@ import torch.nn.functional as F
 CAUSAL, NONCAUSAL, TREE = "causal", "noncausal", "tree"
 
 
+# Requests whose query is at most this long (decode, verification, tree, DFlash block) attend in
+# one batched call; a longer query (a prefill chunk) attends on its own, so a mixed step does not
+# pad every decode row to the prefill chunk's length.
+MAX_BATCHED_QUERY = 16
+
+
 @dataclass
-class AttentionMetadata:
-    slot_mapping: torch.Tensor          # [T] cache slot each query token's K/V is written to
-    query_lens: list[int]               # per request
-    seq_lens: list[int]                 # per request, keys visible after this step's writes
-    block_tables: torch.Tensor          # [R, max_blocks]
-    block_size: int
-    mask_kind: str = CAUSAL
-    tree_mask: torch.Tensor | None = None   # [R, max_q, M] bool, for mask_kind == TREE: query i
-    #   sees the j-th of the request's last `tree_kv_lens[r]` cache entries iff tree_mask[r, i, j];
-    #   earlier entries are always visible. tree_kv_lens defaults to query_lens (verification);
-    #   tree *drafting* passes cover all tree entries written so far.
-    tree_kv_lens: list[int] | None = None
-    # derived by finalize()
-    kv_slots: torch.Tensor | None = None    # [R, max_kv]
-    q_index: torch.Tensor | None = None     # [R, max_q] rows of the flat batch (T = padding row)
-    out_index: torch.Tensor | None = None   # [T] rows of the padded [R*max_q] output
-    attn_mask: torch.Tensor | None = None   # [R, 1, max_q, max_kv] bool or None (no masking needed)
-    uniform: bool = False                   # all query_lens equal: pure reshapes
-    _grouped_masks: dict | None = None      # attn_mask repeated per query group, by group size
+class AttentionGroup:
+    """Requests that attend in one dense SDPA call, with everything derived for it."""
+    req_index: list[int]                    # requests of the step in this group
+    token_rows: torch.Tensor | None         # [Tg] rows of the flat batch (None: all rows, in order)
+    query_lens: list[int]
+    seq_lens: list[int]
+    kv_slots: torch.Tensor                  # [Rg, max_kv]
+    attn_mask: torch.Tensor | None          # [Rg, 1, max_q, max_kv] bool or None (no masking needed)
+    uniform: bool                           # all query_lens equal: pure reshapes
+    q_index: torch.Tensor | None = None     # [Rg, max_q] rows of the group's tokens (Tg = padding)
+    out_index: torch.Tensor | None = None   # [Tg] rows of the padded [Rg*max_q] output
     kv_start: int | None = None             # one request whose visible entries are consecutive
     #   cache slots kv_start .. kv_start + seq_len - 1: K/V are read in place (no gather)
+    _grouped_masks: dict | None = None      # attn_mask repeated per query group, by group size
 
     @property
     def num_reqs(self) -> int:
@@ -61,103 +60,162 @@ class AttentionMetadata:
             self._grouped_masks[groups] = self.attn_mask.repeat(1, 1, groups, 1)
         return self._grouped_masks[groups]
 
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor          # [T] cache slot each query token's K/V is written to
+    query_lens: list[int]               # per request
+    seq_lens: list[int]                 # per request, keys visible after this step's writes
+    block_tables: torch.Tensor          # [R, max_blocks]
+    block_size: int
+    mask_kind: str = CAUSAL
+    tree_mask: torch.Tensor | None = None   # [R, max_q, M] bool, for mask_kind == TREE: query i
+    #   sees the j-th of the request's last `tree_kv_lens[r]` cache entries iff tree_mask[r, i, j];
+    #   earlier entries are always visible. tree_kv_lens defaults to query_lens (verification);
+    #   tree *drafting* passes cover all tree entries written so far.
+    tree_kv_lens: list[int] | None = None
+    groups: list[AttentionGroup] | None = None   # derived by finalize()
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.query_lens)
+
     def finalize(self) -> "AttentionMetadata":
-        dev = self.block_tables.device
+        """Split the requests into attention groups (short queries batched together, each long
+        query alone) and derive each group's gather indices and mask."""
         R = len(self.query_lens)
-        max_q, max_kv = max(self.query_lens), max(self.seq_lens)
-        T = sum(self.query_lens)
-        q_lens = torch.tensor(self.query_lens, device=dev)
-        s_lens = torch.tensor(self.seq_lens, device=dev)
+        short = [r for r in range(R) if self.query_lens[r] <= MAX_BATCHED_QUERY]
+        long_ = [r for r in range(R) if self.query_lens[r] > MAX_BATCHED_QUERY]
+        parts = ([short] if short else []) + [[r] for r in long_]
+        if len(parts) == 1:
+            self.groups = [self._group(parts[0], None)]
+            return self
+        starts = [0]
+        for q in self.query_lens:
+            starts.append(starts[-1] + q)
+        dev = self.block_tables.device
+        self.groups = []
+        for reqs in parts:
+            rows = torch.cat([torch.arange(starts[r], starts[r + 1]) for r in reqs]).to(dev)
+            self.groups.append(self._group(reqs, rows))
+        return self
+
+    def _group(self, reqs: list[int], token_rows) -> AttentionGroup:
+        dev = self.block_tables.device
+        q_list = [self.query_lens[r] for r in reqs]
+        s_list = [self.seq_lens[r] for r in reqs]
+        all_reqs = len(reqs) == len(self.query_lens)
+        bt = self.block_tables if all_reqs else self.block_tables[torch.tensor(reqs, device=dev)]
+        R = len(reqs)
+        max_q, max_kv = max(q_list), max(s_list)
+        T = sum(q_list)
+        q_lens = torch.tensor(q_list, device=dev)
+        s_lens = torch.tensor(s_list, device=dev)
         j = torch.arange(max_kv, device=dev)
-        width = self.block_tables.shape[1]
+        width = bt.shape[1]
         blk = torch.clamp(j // self.block_size, max=width - 1)
-        self.kv_slots = self.block_tables[:, blk] * self.block_size + (j % self.block_size)[None, :]
-        self._grouped_masks = {}
-        self.kv_start = None
-        if R == 1 and self.block_tables.device.type == "cpu":
-            used = self.block_tables[0, :-(-max_kv // self.block_size)]
+        kv_slots = bt[:, blk] * self.block_size + (j % self.block_size)[None, :]
+        kv_start = None
+        if R == 1 and dev.type == "cpu":
+            used = bt[0, :-(-max_kv // self.block_size)]
             if used.numel() == 1 or bool((used[1:] - used[:-1] == 1).all()):
-                self.kv_start = int(used[0]) * self.block_size
-        self.uniform = min(self.query_lens) == max_q
-        if not self.uniform:
+                kv_start = int(used[0]) * self.block_size
+        uniform = min(q_list) == max_q
+        q_index = out_index = None
+        if not uniform:
             starts = torch.cumsum(q_lens, 0) - q_lens
             i = torch.arange(max_q, device=dev)
             idx = starts[:, None] + i[None, :]
-            self.q_index = torch.where(i[None, :] < q_lens[:, None], idx, torch.full_like(idx, T))
+            q_index = torch.where(i[None, :] < q_lens[:, None], idx, torch.full_like(idx, T))
             req = torch.repeat_interleave(torch.arange(R, device=dev), q_lens)
             pos_in_req = torch.arange(T, device=dev) - starts[req]
-            self.out_index = req * max_q + pos_in_req
-        self.attn_mask = self._build_mask(q_lens, s_lens, max_q, max_kv)
-        return self
+            out_index = req * max_q + pos_in_req
+        tree_mask = self.tree_mask
+        tree_kv = self.tree_kv_lens
+        if tree_mask is not None and not all_reqs:
+            tree_mask = tree_mask[torch.tensor(reqs, device=tree_mask.device)]
+            tree_kv = None if tree_kv is None else [tree_kv[r] for r in reqs]
+        mask = _build_mask(self.mask_kind, q_lens, s_lens, max_q, max_kv, tree_mask, tree_kv)
+        return AttentionGroup(reqs, token_rows, q_list, s_list, kv_slots, mask, uniform, q_index,
+                              out_index, kv_start, {})
 
-    def _build_mask(self, q_lens, s_lens, max_q, max_kv):
-        kind = self.mask_kind
-        all_full = min(self.seq_lens) == max_kv
-        if kind == NONCAUSAL or (kind == CAUSAL and max_q == 1):
-            if all_full:
-                return None
-            m = torch.arange(max_kv, device=q_lens.device)[None, :] < s_lens[:, None]
-            return m[:, None, None, :].expand(-1, 1, max_q, -1)
-        qi = torch.arange(max_q, device=q_lens.device)[None, :, None]
-        kj = torch.arange(max_kv, device=q_lens.device)[None, None, :]
-        ql, sl = q_lens[:, None, None], s_lens[:, None, None]
-        ctx = sl - ql
-        rel = kj - ctx
-        valid = kj < sl
-        if kind == CAUSAL:
-            allowed = valid & (rel <= qi)
-        elif kind == TREE:
-            tm = self.tree_mask
-            if tm is None:
-                raise ValueError("tree attention needs tree_mask")
-            R = q_lens.shape[0]
-            if self.tree_kv_lens is not None:
-                ctx = sl - torch.tensor(self.tree_kv_lens, device=q_lens.device)[:, None, None]
-                rel = kj - ctx
-            M = tm.shape[2]
-            relc = rel.clamp(0, M - 1).expand(R, max_q, max_kv)
-            within = torch.gather(tm[:, :max_q, :], 2, relc)
-            allowed = valid & ((kj < ctx) | within)
-        else:
-            raise ValueError(f"unknown mask kind {kind!r}")
-        allowed = allowed | ((qi >= ql) & (kj == 0))   # padded query rows: see one key, output dropped
-        return allowed[:, None]
+
+def _build_mask(kind, q_lens, s_lens, max_q, max_kv, tree_mask, tree_kv_lens):
+    all_full = int(s_lens.min()) == max_kv
+    if kind == NONCAUSAL or (kind == CAUSAL and max_q == 1):
+        if all_full:
+            return None
+        m = torch.arange(max_kv, device=q_lens.device)[None, :] < s_lens[:, None]
+        return m[:, None, None, :].expand(-1, 1, max_q, -1)
+    qi = torch.arange(max_q, device=q_lens.device)[None, :, None]
+    kj = torch.arange(max_kv, device=q_lens.device)[None, None, :]
+    ql, sl = q_lens[:, None, None], s_lens[:, None, None]
+    ctx = sl - ql
+    rel = kj - ctx
+    valid = kj < sl
+    if kind == CAUSAL:
+        allowed = valid & (rel <= qi)
+    elif kind == TREE:
+        tm = tree_mask
+        if tm is None:
+            raise ValueError("tree attention needs tree_mask")
+        R = q_lens.shape[0]
+        if tree_kv_lens is not None:
+            ctx = sl - torch.tensor(tree_kv_lens, device=q_lens.device)[:, None, None]
+            rel = kj - ctx
+        M = tm.shape[2]
+        relc = rel.clamp(0, M - 1).expand(R, max_q, max_kv)
+        within = torch.gather(tm[:, :max_q, :], 2, relc)
+        allowed = valid & ((kj < ctx) | within)
+    else:
+        raise ValueError(f"unknown mask kind {kind!r}")
+    allowed = allowed | ((qi >= ql) & (kj == 0))   # padded query rows: see one key, output dropped
+    return allowed[:, None]
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """q: [T, H, D]; k, v: [T, Hkv, D]; caches: [num_slots, Hkv, D]. Returns [T, H, D].
-
-    Grouped-query heads are folded into the query axis ([R, Hkv, G * max_q, D], the mask repeated
-    per group) so SDPA runs one dense kernel per KV head instead of expanding K/V."""
+    """q: [T, H, D]; k, v: [T, Hkv, D]; caches: [num_slots, Hkv, D]. Returns [T, H, D]."""
     k_cache.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
     v_cache.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
-    R = meta.num_reqs
+    if len(meta.groups) == 1:
+        return _attend_group(q, k_cache, v_cache, meta.groups[0], scale)
+    out = torch.empty_like(q)
+    for g in meta.groups:
+        out[g.token_rows] = _attend_group(q[g.token_rows], k_cache, v_cache, g, scale)
+    return out
+
+
+def _attend_group(q, k_cache, v_cache, g: AttentionGroup, scale: float) -> torch.Tensor:
+    """One group's attention. Grouped-query heads are folded into the query axis
+    ([R, Hkv, G * max_q, D], the mask repeated per group) so SDPA runs one dense kernel per KV head
+    instead of expanding K/V."""
+    R = g.num_reqs
     T, H, D = q.shape
     Hkv = k_cache.shape[1]
     G = H // Hkv
-    max_kv = meta.kv_slots.shape[1]
-    if meta.kv_start is not None:       # consecutive blocks: read the cache in place
-        keys = k_cache[meta.kv_start:meta.kv_start + max_kv].unsqueeze(0).transpose(1, 2)
-        vals = v_cache[meta.kv_start:meta.kv_start + max_kv].unsqueeze(0).transpose(1, 2)
+    max_kv = g.kv_slots.shape[1]
+    if g.kv_start is not None:       # consecutive blocks: read the cache in place
+        keys = k_cache[g.kv_start:g.kv_start + max_kv].unsqueeze(0).transpose(1, 2)
+        vals = v_cache[g.kv_start:g.kv_start + max_kv].unsqueeze(0).transpose(1, 2)
     else:
-        flat = meta.kv_slots.view(-1)
+        flat = g.kv_slots.view(-1)
         keys = k_cache.index_select(0, flat).view(R, max_kv, Hkv, D).transpose(1, 2)   # [R, Hkv, max_kv, D]
         vals = v_cache.index_select(0, flat).view(R, max_kv, Hkv, D).transpose(1, 2)
-    if meta.uniform:
+    if g.uniform:
         qp = q.view(R, T // R, H, D)
     else:
-        qp = torch.cat([q, q.new_zeros(1, H, D)], 0)[meta.q_index]
+        qp = torch.cat([q, q.new_zeros(1, H, D)], 0)[g.q_index]
     max_q = qp.shape[1]
     # [R, max_q, Hkv, G, D] -> [R, Hkv, G, max_q, D] -> [R, Hkv, G * max_q, D]
     qg = qp.view(R, max_q, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(R, Hkv, G * max_q, D)
     out = F.scaled_dot_product_attention(qg, keys.to(q.dtype), vals.to(q.dtype),
-                                         attn_mask=meta.grouped_mask(G), scale=scale)
+                                         attn_mask=g.grouped_mask(G), scale=scale)
     out = out.view(R, Hkv, G, max_q, D).permute(0, 3, 1, 2, 4)    # [R, max_q, Hkv, G, D]
-    if meta.uniform:
+    if g.uniform:
         return out.reshape(T, H, D)
-    return out.reshape(R * max_q, H, D)[meta.out_index]
+    return out.reshape(R * max_q, H, D)[g.out_index]
 
 
 # --- the attention call inside (possibly compiled) model code ---------------------------------------

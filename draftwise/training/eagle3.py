@@ -1,7 +1,8 @@
 """`draftwise train eagle3`: train an EAGLE-3 head for a target with training-time test (TTT).
 
-Target features come from our own target model (online, one forward per conversation). The head
-is unrolled for `ttt_steps` steps on its own hidden states: step i at position t consumes token
+Training reads data shards written by `draftwise train gen-data` (training/shards.py): the target's
+own responses with its aux hidden states and final hidden states captured while generating; the
+teacher distribution is recomputed through the frozen target LM head. The head is unrolled for `ttt_steps` steps on its own hidden states: step i at position t consumes token
 t+i+1 and predicts the target's distribution at t+i+1 (restricted to the draft vocabulary), with
 loss weight 0.8**i. Its attention sees the step-0 keys causally and, from steps 1..i, only the keys
 of its own position, with RoPE positions t+i exactly as in inference.
@@ -26,22 +27,24 @@ from draftwise.models.eagle3 import Eagle3LlamaForCausalLM, save_eagle3_checkpoi
 @dataclass
 class TrainConfig:
     target: str
+    data: str                          # directory of data shards (`draftwise train gen-data`)
     out: str
-    data: str | None = None
-    max_len: int = 512
+    eval_data: str | None = None       # held-out shards; None: no held-out evaluation
+    max_len: int = 1024                # sequences are cut to this many tokens
     ttt_steps: int = 7
     draft_vocab_size: int = 16384
-    vocab_examples: int = 3000
-    lr: float = 1e-3
+    vocab_sequences: int = 2000        # sequences counted to choose the draft vocabulary
+    lr: float = 3e-4
     min_lr_ratio: float = 0.1
     warmup_steps: int = 50
     total_steps: int = 2000
-    tokens_per_step: int = 2048
+    tokens_per_step: int = 8192
     grad_clip: float = 0.5
     loss_decay: float = 0.8
+    hidden_noise: float = 0.0          # Gaussian noise on the target features, x RMS of the row
     save_every: int = 50
     eval_every: int = 100
-    eval_examples: int = 16
+    eval_sequences: int = 64
     seed: int = 0
     threads: int | None = None
     export_dtype: str = "float16"
@@ -79,13 +82,17 @@ class TargetFeaturizer:
 # ---------------------------------------------------------------------------------------------
 # TTT forward of the draft head (shares modules with the inference model)
 # ---------------------------------------------------------------------------------------------
-def _attn_ttt(attn, x, positions, rotary, k0, v0, diag_k, diag_v, t_index):
-    """x: [n, 2H]; returns (out [n, H], k, v) with k/v of this step (for later diagonal use)."""
-    n = x.shape[0]
+def _attn_ttt(attn, x, positions, rotary, k0, v0, diag_k, diag_v, t_index, q_from: int = 0):
+    """x: [m, 2H]; returns (out [m - q_from, H], k, v) with k/v of all m rows (for later diagonal
+    use). Only rows q_from.. are queries (`t_index`: their positions); step 0 passes every row of
+    the sequence (all are keys) and skips queries on rows no loss depends on."""
+    m = x.shape[0]
     H, Hkv, D = attn.num_heads, attn.num_kv_heads, attn.head_dim
     q, k, v = attn.qkv_proj(x).split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
-    q, k, v = q.view(n, H, D), k.view(n, Hkv, D), v.view(n, Hkv, D)
+    q, k, v = q.view(m, H, D), k.view(m, Hkv, D), v.view(m, Hkv, D)
     q, k = rotary(positions, q, k)
+    q = q[q_from:]
+    n = q.shape[0]
     rep = H // Hkv
     if k0 is None:        # step 0: plain causal self-attention
         k0, v0 = k, v
@@ -109,46 +116,64 @@ def _attn_ttt(attn, x, positions, rotary, k0, v0, diag_k, diag_v, t_index):
     return attn.o_proj(out.reshape(n, H * D)), k, v
 
 
-def ttt_forward(model: Eagle3LlamaForCausalLM, ids: torch.Tensor, aux: torch.Tensor,
-                target_logits: torch.Tensor, loss_mask: torch.Tensor, steps: int, decay: float,
-                target_rows: torch.Tensor | None = None):
-    """Returns (weighted loss, per-step (correct, count)).
+@torch.no_grad()
+def teacher_targets(lm_head_weight: torch.Tensor, draft_head_weight: torch.Tensor, t2d: torch.Tensor,
+                    final: torch.Tensor, rows: torch.Tensor):
+    """The target's distribution at `rows`, recomputed through its frozen LM head from the stored
+    final hidden states: (softmax over the draft vocabulary [n, Vd], whether the full-vocabulary
+    argmax lies in the draft vocabulary [n])."""
+    f = final[rows].float()
+    in_vocab = t2d[(f @ lm_head_weight.T).argmax(-1)]
+    return (f @ draft_head_weight.T).softmax(-1), in_vocab
 
-    `target_logits` holds the target's logits at `target_rows` (all rows when None); only rows
-    that predict an assistant token need them, and the draft LM head is evaluated only there."""
+
+def ttt_forward(model: Eagle3LlamaForCausalLM, ids: torch.Tensor, aux: torch.Tensor,
+                tgt_p: torch.Tensor, tgt_in_vocab: torch.Tensor, target_rows: torch.Tensor,
+                loss_mask: torch.Tensor, steps: int, decay: float, hidden_noise: float = 0.0):
+    """Unrolled training-time test over one sequence.
+
+    `tgt_p` [n, Vd] / `tgt_in_vocab` [n] are the teacher at `target_rows` (rows whose next token is
+    a response token); the draft LM head is evaluated only there. Returns (weighted loss,
+    per-step (correct, count), correct [steps, L] with 1/0 where evaluated and -1 elsewhere; column
+    t of step i is the draft for token t+i+2 made from the target features at t)."""
     L = ids.shape[0]
     dev = ids.device
     layer = model.midlayer
     attn = layer.self_attn
-    used = torch.arange(model.d2t.shape[0], device=dev) + model.d2t
-    if target_rows is None:
-        target_rows = torch.arange(L, device=dev)
     row_idx = torch.full((L,), -1, dtype=torch.long, device=dev)
     row_idx[target_rows] = torch.arange(len(target_rows), device=dev)
-    tgt_in_vocab = model.t2d[target_logits.argmax(-1)]
-    tgt_p = target_logits[:, used].float().softmax(-1)           # restricted, renormalised
     tgt_d = tgt_p.argmax(-1)
+    if hidden_noise > 0 and model.training:
+        aux = aux + torch.randn_like(aux) * hidden_noise * aux.pow(2).mean(-1, keepdim=True).sqrt()
     hidden = model.combine_hidden_states(aux)
+    # rows before `off` feed no loss at any step: they are keys at step 0 only
+    first = int(torch.nonzero(loss_mask > 0).flatten()[0]) if bool((loss_mask > 0).any()) else L
+    off = max(0, min(first - 1 - steps, L - 2))
     k0 = v0 = None
     diag_k: list = []
     diag_v: list = []
     total = torch.zeros((), dtype=torch.float32, device=dev)
     stats = []
-    h = hidden
+    correct = torch.full((steps, L), -1, dtype=torch.long, device=dev)
+    h = None
     for i in range(steps):
         n = L - 2 - i
-        if n <= 0:
+        if n <= off:
             break
-        t = torch.arange(n, device=dev)
-        tok = ids[t + i + 1]
-        emb = model.embed_tokens(tok)
-        hin = h[:n]
-        x = torch.cat([layer.input_layernorm(emb), layer.hidden_norm(hin)], dim=-1)
-        a, k, v = _attn_ttt(attn, x, t + i, model.rotary, k0, v0,
-                            None if i == 0 else diag_k, None if i == 0 else diag_v, t)
-        if i == 0:
+        t = torch.arange(off, n, device=dev)
+        if i == 0:       # every row is a key; rows off.. are queries
+            t_all = torch.arange(n, device=dev)
+            hin_all = hidden[:n]
+            x = torch.cat([layer.input_layernorm(model.embed_tokens(ids[t_all + 1])),
+                           layer.hidden_norm(hin_all)], dim=-1)
+            a, k, v = _attn_ttt(attn, x, t_all, model.rotary, None, None, None, None, t, off)
             k0, v0 = k, v
+            hin = hin_all[off:]
         else:
+            hin = h[:n - off]
+            x = torch.cat([layer.input_layernorm(model.embed_tokens(ids[t + i + 1])),
+                           layer.hidden_norm(hin)], dim=-1)
+            a, k, v = _attn_ttt(attn, x, t + i, model.rotary, k0, v0, diag_k, diag_v, t)
             diag_k.append(k)
             diag_v.append(v)
         hmid = hin + a
@@ -166,14 +191,25 @@ def ttt_forward(model: Eagle3LlamaForCausalLM, ids: torch.Tensor, aux: torch.Ten
         tr = ridx[sel]
         ce = -(tgt_p[tr] * logits.log_softmax(-1)).sum(-1)
         total = total + (decay ** i) * ce.mean()
-        correct = int((logits.argmax(-1) == tgt_d[tr]).sum())
-        stats.append((correct, cnt))
-    return total, stats
+        hit = logits.argmax(-1) == tgt_d[tr]
+        correct[i, sel + off] = hit.long()
+        stats.append((int(hit.sum()), cnt))
+    return total, stats, correct
 
 
-def needed_target_rows(loss_mask: list[int]) -> torch.Tensor:
-    """Positions whose next token is an assistant token (the only rows the loss uses)."""
-    m = torch.tensor(loss_mask)
+def simulated_acceptance(correct: torch.Tensor, k: int) -> tuple[float, int]:
+    """(sum of acceptance lengths, anchors) of greedy chain drafting with k drafts, from a TTT
+    correctness matrix: an anchor accepts its leading correct drafts plus the bonus token. Anchors
+    are the columns evaluated at step 0."""
+    c = correct[:k]
+    anchors = c[0] >= 0
+    lead = torch.cumprod((c[:, anchors] == 1).long(), 0).sum(0)
+    return float((1 + lead).sum()), int(anchors.sum())
+
+
+def needed_target_rows(loss_mask) -> torch.Tensor:
+    """Positions whose next token is a response token (the only rows the loss uses)."""
+    m = torch.as_tensor(loss_mask)
     return torch.nonzero(m[1:] > 0).flatten()
 
 
@@ -217,67 +253,95 @@ def expected_acceptance_length(step_acc: list[float]) -> float:
     return out
 
 
+class _Teacher:
+    """Frozen target LM head (full and restricted to the draft vocabulary)."""
+
+    def __init__(self, target, d2t: torch.Tensor, t2d: torch.Tensor):
+        self.w = target.lm_head.weight.detach().float()
+        used = torch.arange(d2t.shape[0]) + d2t
+        self.w_draft = self.w[used].contiguous()
+        self.t2d = t2d
+
+    def __call__(self, seq):
+        rows = needed_target_rows(seq.loss_mask)
+        p, in_vocab = teacher_targets(self.w, self.w_draft, self.t2d, seq.final, rows)
+        return rows, p, in_vocab
+
+
+def _sequence_loss(model, teacher, seq, cfg: TrainConfig):
+    rows, p, in_vocab = teacher(seq)
+    return ttt_forward(model, seq.input_ids, seq.aux.float(), p, in_vocab, rows, seq.loss_mask,
+                       cfg.ttt_steps, cfg.loss_decay, cfg.hidden_noise)
+
+
 @torch.no_grad()
-def evaluate(model, featurize, examples, steps) -> list[float]:
-    corr = [0] * steps
-    cnt = [0] * steps
-    for ex in examples:
-        rows = needed_target_rows(ex.loss_mask)
-        aux, logits = featurize(ex.input_ids, rows)
-        ids = torch.tensor(ex.input_ids)
-        _, st = ttt_forward(model, ids, aux, logits, torch.tensor(ex.loss_mask), steps, 0.8, rows)
+def evaluate(model, teacher, sequences, cfg: TrainConfig) -> dict:
+    """Held-out top-1 agreement with the target per TTT step, and the acceptance length greedy
+    chain drafting would reach with K = 3, 5, 7 drafts (simulated from the same unroll)."""
+    steps = cfg.ttt_steps
+    corr, cnt = [0] * steps, [0] * steps
+    sims = {k: [0.0, 0] for k in (3, 5, 7) if k <= steps}
+    was_training = model.training
+    model.eval()
+    for seq in sequences:
+        _, st, correct = _sequence_loss(model, teacher, seq, cfg)
         for i, (c, n) in enumerate(st):
             corr[i] += c
             cnt[i] += n
-    return [c / n if n else 0.0 for c, n in zip(corr, cnt)]
+        for k in sims:
+            a, n = simulated_acceptance(correct, k)
+            sims[k][0] += a
+            sims[k][1] += n
+    model.train(was_training)
+    acc = [c / n if n else 0.0 for c, n in zip(corr, cnt)]
+    return {"heldout_acc": acc, "heldout_expected_acceptance_length": expected_acceptance_length(acc),
+            "heldout_simulated_acceptance": {f"k{k}": (a / n if n else None) for k, (a, n) in sims.items()}}
 
 
 def train_eagle3(cfg: TrainConfig, progress: bool = True) -> str:
-    """Train (or resume) and export; returns the export directory."""
+    """Train (or resume) on data shards and export; returns the export directory."""
     from tqdm import tqdm
-    from draftwise.models.loader import load_target_model, load_tokenizer
-    from draftwise.training.data import iter_examples
+    from draftwise.models.loader import load_target_model
+    from draftwise.training.shards import ShardStream, iter_shard_sequences
     from draftwise.training.vocab import build_draft_vocab, count_tokens
 
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
     os.makedirs(cfg.out, exist_ok=True)
-    target, tcfg, tpath = load_target_model(cfg.target, torch.float32, "cpu", max_position=cfg.max_len + 64)
+    target, tcfg, _ = load_target_model(cfg.target, torch.float32, "cpu", max_position=cfg.max_len + 64)
     for p in target.parameters():
         p.requires_grad_(False)
-    tok = load_tokenizer(tpath)
-    if tok is None:
-        raise ValueError(f"target {cfg.target} has no tokenizer/chat template; training needs one")
     aux_layers = target.get_eagle3_aux_hidden_state_layers()
-    target.set_aux_hidden_state_layers(aux_layers)
-    featurize = TargetFeaturizer(target, cfg.max_len)
     ckpt_path = os.path.join(cfg.out, "trainer_state.pt")
     state = torch.load(ckpt_path, weights_only=False) if os.path.exists(ckpt_path) else None
     if state is not None:
         d2t, t2d = state["d2t"], state["t2d"]
         coverage = state.get("coverage", 0.0)
     else:
-        it = iter_examples(tok, cfg.data, "train", cfg.max_len)
-        counter = count_tokens(ex for _, ex in zip(range(cfg.vocab_examples), it))
-        eos = list(tcfg.eos_token_ids)
-        d2t, t2d, coverage = build_draft_vocab(counter, tcfg.vocab_size, cfg.draft_vocab_size, always=eos)
+        seqs = iter_shard_sequences(cfg.data, aux_layers)
+        counter = count_tokens(s for _, s in zip(range(cfg.vocab_sequences), seqs))
+        d2t, t2d, coverage = build_draft_vocab(counter, tcfg.vocab_size, cfg.draft_vocab_size,
+                                               always=list(tcfg.eos_token_ids))
     model = build_draft(target, d2t, t2d, cfg.max_len + cfg.ttt_steps + 64)
+    teacher = _Teacher(target, d2t, t2d)
     params = [p for n, p in model.named_parameters() if not n.startswith("embed_tokens")]
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
-    step, consumed, tokens_seen = 0, 0, 0
+    step, tokens_seen = 0, 0
+    data = ShardStream(cfg.data, aux_layers, cfg.seed, cfg.max_len)
     log_path = os.path.join(cfg.out, "train_log.jsonl")
     if state is not None:
         model.load_state_dict(state["model"], strict=False)
         opt.load_state_dict(state["opt"])
-        step, consumed, tokens_seen = state["step"], state["consumed"], state["tokens_seen"]
-    heldout = [ex for _, ex in zip(range(cfg.eval_examples), iter_examples(tok, cfg.data, "heldout", cfg.max_len))]
-    data = iter_examples(tok, cfg.data, "train", cfg.max_len)
-    for _ in range(consumed):
-        next(data, None)
+        step, tokens_seen = state["step"], state["tokens_seen"]
+        data.load_state(state["data"])
+    heldout = []
+    if cfg.eval_data:
+        heldout = [s for _, s in zip(range(cfg.eval_sequences), iter_shard_sequences(cfg.eval_data, aux_layers))]
     bar = tqdm(total=cfg.total_steps, initial=step, desc="train eagle3", disable=not progress,
                dynamic_ncols=True)
     t_start = time.time()
+    model.train()
     while step < cfg.total_steps:
         opt.zero_grad(set_to_none=True)
         n_tok = 0
@@ -285,22 +349,13 @@ def train_eagle3(cfg: TrainConfig, progress: bool = True) -> str:
         cnt = [0] * cfg.ttt_steps
         loss_sum, n_seq = 0.0, 0
         while n_tok < cfg.tokens_per_step:
-            ex = next(data, None)
-            if ex is None:           # epoch boundary: start over
-                data = iter_examples(tok, cfg.data, "train", cfg.max_len)
-                consumed = 0
-                ex = next(data)
-            consumed += 1
-            rows = needed_target_rows(ex.loss_mask)
-            aux, logits = featurize(ex.input_ids, rows)
-            ids = torch.tensor(ex.input_ids)
-            loss, st = ttt_forward(model, ids, aux, logits, torch.tensor(ex.loss_mask), cfg.ttt_steps,
-                                   cfg.loss_decay, rows)
+            seq = next(data)
+            loss, st, _ = _sequence_loss(model, teacher, seq, cfg)
             if loss.requires_grad:
-                (loss * len(ex.input_ids) / cfg.tokens_per_step).backward()
+                (loss * len(seq) / cfg.tokens_per_step).backward()
             loss_sum += float(loss.detach())
             n_seq += 1
-            n_tok += len(ex.input_ids)
+            n_tok += len(seq)
             for i, (c, n) in enumerate(st):
                 corr[i] += c
                 cnt[i] += n
@@ -313,24 +368,22 @@ def train_eagle3(cfg: TrainConfig, progress: bool = True) -> str:
         acc = [c / n if n else 0.0 for c, n in zip(corr, cnt)]
         bar.set_postfix(loss=f"{loss_sum / max(1, n_seq):.3f}", acc=" ".join(f"{a:.2f}" for a in acc[:4]))
         bar.update(1)
-        rec = {"step": step, "tokens": tokens_seen, "loss": loss_sum / max(1, n_seq), "acc": acc,
-               "lr": lr_at(step - 1, cfg), "elapsed_s": time.time() - t_start}
-        if step % cfg.eval_every == 0 or step == cfg.total_steps:
-            ev = evaluate(model, featurize, heldout, cfg.ttt_steps)
-            rec["heldout_acc"] = ev
-            rec["heldout_expected_acceptance_length"] = expected_acceptance_length(ev)
+        rec = {"step": step, "tokens": tokens_seen, "epoch": data.epoch, "loss": loss_sum / max(1, n_seq),
+               "acc": acc, "lr": lr_at(step - 1, cfg), "elapsed_s": time.time() - t_start}
+        if heldout and (step % cfg.eval_every == 0 or step == cfg.total_steps):
+            rec.update(evaluate(model, teacher, heldout, cfg))
         with open(log_path, "a") as f:
             f.write(json.dumps(rec) + "\n")
         if step % cfg.save_every == 0 or step == cfg.total_steps:
-            _save(cfg, model, opt, step, consumed, tokens_seen, d2t, t2d, coverage, aux_layers)
+            _save(cfg, model, opt, step, data.state(), tokens_seen, d2t, t2d, coverage, aux_layers)
     bar.close()
     return os.path.join(cfg.out, "export")
 
 
-def _save(cfg, model, opt, step, consumed, tokens_seen, d2t, t2d, coverage, aux_layers):
+def _save(cfg, model, opt, step, data_state, tokens_seen, d2t, t2d, coverage, aux_layers):
     sd = {k: v for k, v in model.state_dict().items() if not k.startswith("embed_tokens")}
     tmp = os.path.join(cfg.out, "trainer_state.pt.tmp")
-    torch.save({"model": sd, "opt": opt.state_dict(), "step": step, "consumed": consumed,
+    torch.save({"model": sd, "opt": opt.state_dict(), "step": step, "data": data_state,
                 "tokens_seen": tokens_seen, "d2t": d2t, "t2d": t2d, "coverage": coverage,
                 "config": asdict(cfg)}, tmp)
     os.replace(tmp, os.path.join(cfg.out, "trainer_state.pt"))

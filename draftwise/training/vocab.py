@@ -11,7 +11,8 @@ import torch
 def count_tokens(examples: Iterable, counter: Counter | None = None) -> Counter:
     counter = counter if counter is not None else Counter()
     for ex in examples:
-        counter.update(t for t, m in zip(ex.input_ids, ex.loss_mask) if m)
+        ids, mask = torch.as_tensor(ex.input_ids), torch.as_tensor(ex.loss_mask)
+        counter.update(ids[mask > 0].tolist())
     return counter
 
 

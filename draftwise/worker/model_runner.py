@@ -68,6 +68,8 @@ class ModelRunner:
         spec = config.speculative_config
         self.fused_greedy = spec is None or spec.rejection_sampler == "fused"
         self.timer = StepTimer()
+        # optional hook that keeps the target's hidden states of every fed row (data generation)
+        self.hidden_recorder = None
         self.graphs = []
         if not config.enforce_eager:
             self._compile_graphs()
@@ -177,6 +179,8 @@ class ModelRunner:
         t1 = time.perf_counter()
         output = self._target_forward(input_ids, positions, meta, logits_indices)
         t2 = time.perf_counter()
+        if self.hidden_recorder is not None:
+            self.hidden_recorder.record(scheds, cache_pos, output)
         accepted_rows: list[list[int]] = []
         if any_tree:
             from draftwise.spec_decode.tree import compact_tree_kv, verify_trees
