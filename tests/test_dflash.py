@@ -405,18 +405,21 @@ def test_trainer_runs_resumes_and_exports(tmp_path):
     tdir = str(tmp_path / "target")
     make_tiny_hf(tdir, "llama", seed=4)
     _tokenizer(tdir)
+    from draftwise.training.gen_data import GenDataConfig, generate_data
     text = ["The quick brown fox jumps over the lazy dog.", "Paris is the capital of France.",
             "Speculative decoding drafts several tokens.", "Hello world! How are you today?"]
-    recs = [{"id": f"r{i}", "conversations": [{"from": "human", "value": text[i % 4]},
-                                               {"from": "gpt", "value": " ".join(text[(i + j) % 4] for j in range(3))}]}
-            for i in range(12)]
-    data = str(tmp_path / "sharegpt.json")
-    with open(data, "w") as f:
-        json.dump(recs, f)
+    prompts = str(tmp_path / "p.jsonl")
+    with open(prompts, "w") as f:
+        for i in range(12):
+            f.write(json.dumps({"prompt": " ".join(text[(i + j) % 4] for j in range(2))}) + "\n")
+    data = str(tmp_path / "data")
+    generate_data(GenDataConfig(out=data, target=tdir, data=prompts, max_prompt_tokens=96, max_tokens=32,
+                                batch_size=4, shard_sequences=6, threads=1), progress=False)
     out = str(tmp_path / "run")
-    cfg = DFlashTrainConfig(target=tdir, out=out, data=data, max_len=96, block_size=4, num_draft_layers=2,
-                            anchors_per_seq=8, lr=3e-3, warmup_steps=1, total_steps=3, tokens_per_step=150,
-                            save_every=2, eval_every=2, eval_examples=2, threads=1, export_dtype="float16")
+    cfg = DFlashTrainConfig(target=tdir, out=out, data=data, eval_data=data, max_len=96, block_size=4,
+                            num_draft_layers=2, anchors_per_seq=8, lr=3e-3, warmup_steps=1, total_steps=3,
+                            tokens_per_step=150, save_every=2, eval_every=2, eval_sequences=2, threads=1,
+                            export_dtype="float16")
     export = train_dflash(cfg, progress=False)
     with open(os.path.join(out, "train_log.jsonl")) as f:
         log = [json.loads(line) for line in f]

@@ -105,21 +105,112 @@ def test_ttt_unroll_matches_inference_recurrence(tiny_llama):
             torch.testing.assert_close(cur[0], hs[i][p], atol=1e-5, rtol=1e-5)
 
 
-def test_train_eagle3_end_to_end(tmp_path):
+def _tiny_target_with_tokenizer(path, seed=4):
     from tests.tokenizer_util import add_tiny_tokenizer
+    make_tiny_hf(path, "llama", seed=seed)
+    add_tiny_tokenizer(path)
+    return path
+
+
+def _prompts_jsonl(path, n, offset=0):
+    with open(path, "w") as f:
+        for i in range(n):
+            f.write(json.dumps({"prompt": TEXT[(i + offset) % 4] + " " + TEXT[(i + offset + 1) % 4][: 5 + i]}) + "\n")
+    return path
+
+
+def _gen(tdir, prompts, out, **kw):
+    from draftwise.training.gen_data import GenDataConfig, generate_data
+    cfg = dict(out=out, target=tdir, data=prompts, max_prompt_tokens=80, max_tokens=24, batch_size=4,
+               shard_sequences=5, threads=1)
+    cfg.update(kw)
+    return generate_data(GenDataConfig(**cfg), progress=False)
+
+
+def test_shard_round_trip_and_column_selection(tmp_path):
+    import pytest
+    from draftwise.training.shards import (ShardSequence, ShardStream, completed_prompts, count_shard_tokens,
+                                           iter_shard_sequences, write_shard)
+    H = 4
+    seqs = []
+    for i, L in enumerate((5, 7, 3)):
+        aux = torch.arange(L * 3 * H, dtype=torch.float32).view(L, 3 * H) + 1000 * i
+        seqs.append(ShardSequence(torch.arange(L) + i, torch.tensor([0] * 2 + [1] * (L - 2)), aux,
+                                  torch.randn(L, H), 10 + i))
+    d = str(tmp_path / "shards")
+    os.makedirs(d)
+    write_shard(os.path.join(d, "shard_00000.safetensors"), seqs[:2], (2, 5, 9), {"t": 1})
+    write_shard(os.path.join(d, "shard_00001.safetensors"), seqs[2:], (2, 5, 9), {"t": 1})
+    got = list(iter_shard_sequences(d, (2, 5, 9)))
+    assert [g.prompt_index for g in got] == [10, 11, 12]
+    for g, s in zip(got, seqs):
+        assert torch.equal(g.input_ids, s.input_ids) and torch.equal(g.loss_mask, s.loss_mask)
+        torch.testing.assert_close(g.aux.float(), s.aux.half().float())
+        torch.testing.assert_close(g.final.float(), s.final.half().float())
+    # a subset of layers, in another order, selects the matching columns
+    sub = next(iter_shard_sequences(d, (9, 2)))
+    torch.testing.assert_close(sub.aux.float(), torch.cat([seqs[0].aux[:, 2 * H:], seqs[0].aux[:, :H]], 1).half().float())
+    with pytest.raises(ValueError, match="regenerate"):
+        next(iter_shard_sequences(d, (3,)))
+    assert completed_prompts(d) == {10, 11, 12}
+    assert count_shard_tokens(d) == (3, 15, 9)
+    # the stream goes round epochs and resumes at the same sequence
+    st = ShardStream(d, (2,), seed=1, max_len=6)
+    first = [next(st).prompt_index for _ in range(4)]
+    assert sorted(first[:3]) == [10, 11, 12] and st.epoch == 1
+    saved = st.state()
+    a = [next(st).prompt_index for _ in range(3)]
+    st2 = ShardStream(d, (2,), seed=1, max_len=6)
+    st2.load_state(saved)
+    assert [next(st2).prompt_index for _ in range(3)] == a
+    assert all(len(next(st)) <= 6 for _ in range(3))
+
+
+def test_gen_data_records_the_targets_hidden_states(tmp_path):
+    from draftwise.models.loader import load_target_model
+    from draftwise.training.eagle3 import TargetFeaturizer
+    from draftwise.training.shards import iter_shard_sequences
+    tdir = _tiny_target_with_tokenizer(str(tmp_path / "t"))
+    prompts = _prompts_jsonl(str(tmp_path / "p.jsonl"), 7)
+    out = str(tmp_path / "data")
+    stats = _gen(tdir, prompts, out, num_prompts=4, greedy_fraction=1.0)
+    assert stats["sequences"] == 4
+    layers = (1, 2, 3)                                         # default capture set of a 4-layer target
+    target, _, _ = load_target_model(tdir, torch.float32, "cpu")
+    target.set_aux_hidden_state_layers(layers)
+    feat = TargetFeaturizer(target, 256)
+    seqs = list(iter_shard_sequences(out, layers))
+    for s in seqs:
+        L = len(s)
+        n_resp = int(s.loss_mask.sum())
+        assert n_resp == 24 or s.input_ids[-1] == 2                # max_tokens or eos
+        assert s.loss_mask[:L - n_resp].sum() == 0                  # the mask covers the response only
+        aux, logits = feat(s.input_ids.tolist())
+        torch.testing.assert_close(s.aux[:L - 1].float(), aux[:L - 1].half().float(), atol=2e-2, rtol=1e-2)
+        # greedy: the recorded final hidden state gives back every generated token
+        nxt = target.lm_head(s.final[:L - 1].float()).argmax(-1)
+        resp = torch.nonzero(s.loss_mask).flatten()
+        assert torch.equal(nxt[resp - 1], s.input_ids[resp])
+    # resume: a second run only answers the prompts not yet written
+    stats = _gen(tdir, prompts, out, greedy_fraction=1.0)
+    assert stats["sequences"] == 3
+    assert sorted(s.prompt_index for s in iter_shard_sequences(out, layers)) == list(range(7))
+
+
+def test_train_eagle3_end_to_end(tmp_path):
     from draftwise.training.eagle3 import TrainConfig, train_eagle3
-    tdir = str(tmp_path / "target")
-    make_tiny_hf(tdir, "llama", seed=4)
-    add_tiny_tokenizer(tdir)
-    data = str(tmp_path / "sharegpt.json")
-    _sharegpt(data)
+    tdir = _tiny_target_with_tokenizer(str(tmp_path / "target"))
+    data, held = str(tmp_path / "data"), str(tmp_path / "held")
+    _gen(tdir, _prompts_jsonl(str(tmp_path / "p.jsonl"), 12), data)
+    _gen(tdir, _prompts_jsonl(str(tmp_path / "h.jsonl"), 3, offset=2), held)
     out = str(tmp_path / "run")
-    cfg = TrainConfig(target=tdir, out=out, data=data, max_len=96, ttt_steps=3, draft_vocab_size=64,
-                      vocab_examples=16, lr=3e-3, warmup_steps=1, total_steps=3, tokens_per_step=150,
-                      save_every=2, eval_every=3, eval_examples=2, threads=1)
+    cfg = TrainConfig(target=tdir, out=out, data=data, eval_data=held, max_len=96, ttt_steps=3,
+                      draft_vocab_size=64, vocab_sequences=16, lr=3e-3, warmup_steps=1, total_steps=3,
+                      tokens_per_step=150, save_every=2, eval_every=3, eval_sequences=2, threads=1)
     export = train_eagle3(cfg, progress=False)
     log = [json.loads(x) for x in open(os.path.join(out, "train_log.jsonl"))]
     assert [r["step"] for r in log] == [1, 2, 3] and len(log[-1]["heldout_acc"]) == 3
+    assert 1.0 <= log[-1]["heldout_simulated_acceptance"]["k3"] <= 4.0
     cfg.total_steps = 5
     train_eagle3(cfg, progress=False)                         # resume
     assert torch.load(os.path.join(out, "trainer_state.pt"), weights_only=False)["step"] == 5
@@ -137,3 +228,13 @@ def test_train_eagle3_end_to_end(tmp_path):
     llm = LLM(tdir, block_size=4, max_model_len=128,
               speculative_config={"method": "eagle3", "model": export, "num_speculative_tokens": 3})
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, sp)] == ref
+
+
+def test_simulated_acceptance_counts_leading_correct_drafts():
+    from draftwise.training.eagle3 import simulated_acceptance
+    c = torch.tensor([[1, 1, 0, -1, 1],
+                      [1, 0, 1, -1, -1],
+                      [0, 1, 1, -1, -1]])
+    # anchors 0, 1, 2, 4 (column 3 not evaluated): leading correct 2, 1, 0, 1
+    assert simulated_acceptance(c, 3) == (3 + 2 + 1 + 2, 4)
+    assert simulated_acceptance(c, 1) == (2 + 2 + 1 + 2, 4)

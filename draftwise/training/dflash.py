@@ -1,7 +1,9 @@
 """`draftwise train dflash`: train a DFlash block drafter for a target (self-distillation).
 
-Target features come from our own target model (online, one forward per conversation), captured
-before layers id+1 for the (layer-output) `target_layer_ids` written to the checkpoint. Per
+Training reads data shards written by `draftwise train gen-data` (training/shards.py): the target's
+own responses with its hidden states captured while generating, before layers id+1 for the
+(layer-output) `target_layer_ids` written to the checkpoint; labels are recomputed through the
+frozen target LM head. Per
 sequence, random anchor positions on assistant tokens are drawn; each anchor a gives a block
 `[token_a, mask x (B-1)]` at positions a..a+B-1 that sees the injected context of positions < a
 and itself bidirectionally, never other blocks (one dense attention mask per sequence, no paged
@@ -12,8 +14,6 @@ mask, so its logits equal the engine's (tests/test_dflash.py checks this).
 """
 from __future__ import annotations
 
-import argparse
-import dataclasses
 import json
 import logging
 import os
@@ -33,26 +33,27 @@ logger = logging.getLogger("draftwise")
 @dataclass
 class DFlashTrainConfig:
     target: str
+    data: str                           # directory of data shards (`draftwise train gen-data`)
     out: str
-    data: str | None = None
-    max_len: int = 512
+    eval_data: str | None = None        # held-out shards; None: no held-out evaluation
+    max_len: int = 1024
     block_size: int = 8                 # K = block_size - 1 drafts per step
     num_draft_layers: int = 2
     num_target_layer_ids: int | None = None   # None: one per draft layer (DFlash's default)
     target_layer_ids: list[int] | None = None  # layer-output ids; None: DFlash default spacing
     mask_token_id: int | None = None    # None: tokenizer's mask token, else an unused special token
-    anchors_per_seq: int = 32
+    anchors_per_seq: int = 64
     loss_gamma: float = 7.0             # position weight exp(-(k-1)/gamma); 0 disables
     lr: float = 6e-4
     min_lr_ratio: float = 0.1
     warmup_steps: int = 50
     total_steps: int = 2000
-    tokens_per_step: int = 2048
+    tokens_per_step: int = 8192
     grad_clip: float = 1.0
     weight_decay: float = 0.0
     save_every: int = 50
     eval_every: int = 100
-    eval_examples: int = 16
+    eval_sequences: int = 32
     seed: int = 0
     threads: int | None = None
     export_dtype: str = "bfloat16"
@@ -111,25 +112,36 @@ def sample_anchors(loss_mask: list[int], block_size: int, n: int, gen: torch.Gen
     return torch.tensor(cand, dtype=torch.long)[perm].sort().values
 
 
-def block_labels(target_logits: torch.Tensor, loss_mask: torch.Tensor, anchors: torch.Tensor,
+def target_next_tokens(lm_head_weight: torch.Tensor, final: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+    """[L]: the target's greedy token after each row (argmax of its frozen LM head over the stored
+    final hidden state), computed only where the next token is a response token (-1 elsewhere)."""
+    L = final.shape[0]
+    out = torch.full((L,), -1, dtype=torch.long)
+    rows = torch.nonzero(loss_mask[1:] > 0).flatten()
+    if rows.numel():
+        out[rows] = (final[rows].float() @ lm_head_weight.T).argmax(-1)
+    return out
+
+
+def block_labels(next_tokens: torch.Tensor, loss_mask: torch.Tensor, anchors: torch.Tensor,
                  block_size: int):
-    """Labels [m, B-1] (target argmax at a+k, i.e. of logits a+k-1) and validity [m, B-1]
-    (position inside the sequence and an assistant token)."""
-    L = target_logits.shape[0]
+    """Labels [m, B-1] (the target's greedy token at a+k, made at row a+k-1) and validity [m, B-1]
+    (position inside the sequence and a response token)."""
+    L = next_tokens.shape[0]
     k = torch.arange(1, block_size, device=anchors.device)
     p = anchors[:, None] + k[None, :]
     inside = p < L
     pc = p.clamp(max=L - 1)
-    labels = target_logits.argmax(-1)[pc - 1]
-    valid = inside & (loss_mask[pc] > 0)
+    labels = next_tokens[pc - 1]
+    valid = inside & (loss_mask[pc] > 0) & (labels >= 0)
     return labels, valid
 
 
-def dflash_loss(model, target, aux, target_logits, ids, loss_mask, anchors, gamma: float):
+def dflash_loss(model, target, aux, next_tokens, ids, loss_mask, anchors, gamma: float):
     """Loss of the blocks at `anchors` of one sequence. Returns (loss, correct [B-1], count [B-1],
     (sum of accepted prefix lengths, number of fully labelled blocks))."""
     B = model.block_size
-    labels, valid = block_labels(target_logits, loss_mask, anchors, B)
+    labels, valid = block_labels(next_tokens, loss_mask, anchors, B)
     h = block_hidden_states(model, target.embed_tokens, aux, ids, anchors)[:, 1:]   # [m, B-1, H]
     w = torch.exp(-torch.arange(B - 1, device=aux.device, dtype=torch.float32) / gamma) if gamma > 0 \
         else torch.ones(B - 1, device=aux.device)
@@ -195,32 +207,38 @@ def _step_seed(seed: int, consumed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed * 1_000_003 + consumed)
 
 
+def _sequence_loss(model, target, seq, anchors, cfg: DFlashTrainConfig):
+    nxt = target_next_tokens(target.lm_head.weight, seq.final, seq.loss_mask)
+    return dflash_loss(model, target, seq.aux.float(), nxt, seq.input_ids, seq.loss_mask, anchors,
+                       cfg.loss_gamma)
+
+
 @torch.no_grad()
-def evaluate(model, target, featurize, examples, cfg: DFlashTrainConfig) -> dict:
+def evaluate(model, target, sequences, cfg: DFlashTrainConfig) -> dict:
     B = model.block_size
     corr, cnt = [0] * (B - 1), [0] * (B - 1)
     acc_sum, blocks = 0, 0
-    for j, ex in enumerate(examples):
-        anchors = sample_anchors(ex.loss_mask, B, cfg.anchors_per_seq, _step_seed(cfg.seed + 1, j))
+    was_training = model.training
+    model.eval()
+    for j, seq in enumerate(sequences):
+        anchors = sample_anchors(seq.loss_mask.tolist(), B, cfg.anchors_per_seq, _step_seed(cfg.seed + 1, j))
         if anchors.numel() == 0:
             continue
-        aux, logits = featurize(ex.input_ids)
-        _, c, n, (a, b) = dflash_loss(model, target, aux, logits, torch.tensor(ex.input_ids),
-                                      torch.tensor(ex.loss_mask), anchors, cfg.loss_gamma)
+        _, c, n, (a, b) = _sequence_loss(model, target, seq, anchors, cfg)
         corr = [x + y for x, y in zip(corr, c)]
         cnt = [x + y for x, y in zip(cnt, n)]
         acc_sum += a
         blocks += b
+    model.train(was_training)
     return {"heldout_acc": [c / n if n else 0.0 for c, n in zip(corr, cnt)],
             "heldout_acceptance_length": 1 + acc_sum / blocks if blocks else None}
 
 
 def train_dflash(cfg: DFlashTrainConfig, progress: bool = True) -> str:
-    """Train (or resume) and export; returns the export directory."""
+    """Train (or resume) on data shards and export; returns the export directory."""
     from tqdm import tqdm
     from draftwise.models.loader import load_target_model, load_tokenizer
-    from draftwise.training.data import iter_examples
-    from draftwise.training.eagle3 import TargetFeaturizer
+    from draftwise.training.shards import ShardStream, iter_shard_sequences
 
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
@@ -231,9 +249,6 @@ def train_dflash(cfg: DFlashTrainConfig, progress: bool = True) -> str:
     target, tcfg, tpath = load_target_model(cfg.target, torch.float32, "cpu", max_position=cfg.max_len + 64)
     for p in target.parameters():
         p.requires_grad_(False)
-    tok = load_tokenizer(tpath)
-    if tok is None:
-        raise ValueError(f"target {cfg.target} has no tokenizer/chat template; training needs one")
     N = tcfg.num_hidden_layers
     ckpt_path = os.path.join(cfg.out, "trainer_state.pt")
     state = torch.load(ckpt_path, weights_only=False) if os.path.exists(ckpt_path) else None
@@ -249,35 +264,36 @@ def train_dflash(cfg: DFlashTrainConfig, progress: bool = True) -> str:
             raise ValueError(f"target_layer_ids {ids} need capture layers id+1 inside the target's {N} layers")
         mask_id, mask_name = cfg.mask_token_id, None
         if mask_id is None:
+            tok = load_tokenizer(tpath)
+            if tok is None:
+                raise ValueError(f"target {cfg.target} has no tokenizer: pass mask_token_id")
             seen = set()
-            for _, ex in zip(range(200), iter_examples(tok, cfg.data, "train", cfg.max_len)):
-                seen.update(ex.input_ids)
+            for _, seq in zip(range(200), iter_shard_sequences(cfg.data, tuple(i + 1 for i in ids))):
+                seen.update(seq.input_ids.tolist())
             mask_id, mask_name = choose_mask_token_id(tok, tcfg.vocab_size, seen)
         if not 0 <= mask_id < tcfg.vocab_size:
             raise ValueError(f"mask_token_id {mask_id} is outside the vocabulary [0, {tcfg.vocab_size})")
-        if mask_name is None:
-            mask_name = str(tok.convert_ids_to_tokens(mask_id))
         arch = {"block_size": cfg.block_size, "num_draft_layers": cfg.num_draft_layers,
-                "target_layer_ids": list(ids), "mask_token_id": int(mask_id), "mask_token": mask_name}
-    target.set_aux_hidden_state_layers(tuple(i + 1 for i in arch["target_layer_ids"]))
-    featurize = TargetFeaturizer(target, cfg.max_len)
+                "target_layer_ids": list(ids), "mask_token_id": int(mask_id), "mask_token": mask_name or ""}
+    capture = tuple(i + 1 for i in arch["target_layer_ids"])
     model = build_draft(target, arch["block_size"], arch["num_draft_layers"], arch["target_layer_ids"],
                         arch["mask_token_id"], cfg.max_len + arch["block_size"] + 64)
     params = list(model.parameters())
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
-    step, consumed, tokens_seen = 0, 0, 0
+    step, tokens_seen = 0, 0
+    data = ShardStream(cfg.data, capture, cfg.seed, cfg.max_len)
     if state is not None:
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["opt"])
-        step, consumed, tokens_seen = state["step"], state["consumed"], state["tokens_seen"]
+        step, tokens_seen = state["step"], state["tokens_seen"]
+        data.load_state(state["data"])
     logger.info("DFlash draft: %d layers, block %d, target_layer_ids %s (capture %s), mask token %d %r",
-                model.num_layers, model.block_size, arch["target_layer_ids"],
-                [i + 1 for i in arch["target_layer_ids"]], arch["mask_token_id"], arch["mask_token"])
+                model.num_layers, model.block_size, arch["target_layer_ids"], list(capture),
+                arch["mask_token_id"], arch["mask_token"])
     B = model.block_size
-    heldout = [ex for _, ex in zip(range(cfg.eval_examples), iter_examples(tok, cfg.data, "heldout", cfg.max_len))]
-    data = iter_examples(tok, cfg.data, "train", cfg.max_len)
-    for _ in range(consumed):
-        next(data, None)
+    heldout = []
+    if cfg.eval_data:
+        heldout = [s for _, s in zip(range(cfg.eval_sequences), iter_shard_sequences(cfg.eval_data, capture))]
     log_path = os.path.join(cfg.out, "train_log.jsonl")
     bar = tqdm(total=cfg.total_steps, initial=step, desc="train dflash", disable=not progress,
                dynamic_ncols=True)
@@ -289,28 +305,18 @@ def train_dflash(cfg: DFlashTrainConfig, progress: bool = True) -> str:
         corr, cnt = [0] * (B - 1), [0] * (B - 1)
         acc_sum, blocks = 0, 0
         loss_sum, n_seq = 0.0, 0
-        empty_epoch = True
         while n_tok < cfg.tokens_per_step:
-            ex = next(data, None)
-            if ex is None:           # epoch boundary: start over
-                if empty_epoch and consumed == 0:
-                    raise ValueError(f"no usable training examples in {cfg.data or 'the ShareGPT package'}")
-                data = iter_examples(tok, cfg.data, "train", cfg.max_len)
-                consumed = 0
-                continue
-            empty_epoch = False
-            consumed += 1
-            anchors = sample_anchors(ex.loss_mask, B, cfg.anchors_per_seq, _step_seed(cfg.seed, consumed + step))
+            seq = next(data)
+            n_tok += len(seq)
+            anchors = sample_anchors(seq.loss_mask.tolist(), B, cfg.anchors_per_seq,
+                                     _step_seed(cfg.seed, tokens_seen + n_tok))
             if anchors.numel() == 0:
                 continue
-            aux, logits = featurize(ex.input_ids)
-            loss, c, n, (a, b) = dflash_loss(model, target, aux, logits, torch.tensor(ex.input_ids),
-                                             torch.tensor(ex.loss_mask), anchors, cfg.loss_gamma)
+            loss, c, n, (a, b) = _sequence_loss(model, target, seq, anchors, cfg)
             if loss.requires_grad:
-                (loss * len(ex.input_ids) / cfg.tokens_per_step).backward()
+                (loss * len(seq) / cfg.tokens_per_step).backward()
             loss_sum += float(loss.detach())
             n_seq += 1
-            n_tok += len(ex.input_ids)
             corr = [x + y for x, y in zip(corr, c)]
             cnt = [x + y for x, y in zip(cnt, n)]
             acc_sum += a
@@ -326,23 +332,22 @@ def train_dflash(cfg: DFlashTrainConfig, progress: bool = True) -> str:
         bar.set_postfix(loss=f"{loss_sum / max(1, n_seq):.3f}", tau=f"{tau:.2f}",
                         acc=" ".join(f"{x:.2f}" for x in acc[:4]))
         bar.update(1)
-        rec = {"step": step, "tokens": tokens_seen, "loss": loss_sum / max(1, n_seq), "acc": acc,
-               "acceptance_length": tau, "lr": lr_at(step - 1, cfg), "elapsed_s": time.time() - t_start}
-        if step % cfg.eval_every == 0 or step == cfg.total_steps:
-            model.eval()
-            rec.update(evaluate(model, target, featurize, heldout, cfg))
-            model.train()
+        rec = {"step": step, "tokens": tokens_seen, "epoch": data.epoch, "loss": loss_sum / max(1, n_seq),
+               "acc": acc, "acceptance_length": tau, "lr": lr_at(step - 1, cfg),
+               "elapsed_s": time.time() - t_start}
+        if heldout and (step % cfg.eval_every == 0 or step == cfg.total_steps):
+            rec.update(evaluate(model, target, heldout, cfg))
         with open(log_path, "a") as f:
             f.write(json.dumps(rec) + "\n")
         if step % cfg.save_every == 0 or step == cfg.total_steps:
-            _save(cfg, model, opt, step, consumed, tokens_seen, arch)
+            _save(cfg, model, opt, step, data.state(), tokens_seen, arch)
     bar.close()
     return os.path.join(cfg.out, "export")
 
 
-def _save(cfg, model, opt, step, consumed, tokens_seen, arch):
+def _save(cfg, model, opt, step, data_state, tokens_seen, arch):
     tmp = os.path.join(cfg.out, "trainer_state.pt.tmp")
-    torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step, "consumed": consumed,
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step, "data": data_state,
                 "tokens_seen": tokens_seen, "arch": arch, "config": asdict(cfg)}, tmp)
     os.replace(tmp, os.path.join(cfg.out, "trainer_state.pt"))
     dtype = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}[cfg.export_dtype]
@@ -351,27 +356,3 @@ def _save(cfg, model, opt, step, consumed, tokens_seen, arch):
                                                    "mask_token": arch["mask_token"],
                                                    "anchors_per_seq": cfg.anchors_per_seq,
                                                    "loss_gamma": cfg.loss_gamma}}, dtype)
-
-
-# ---------------------------------------------------------------------------------------------
-def build_arg_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
-    """`draftwise train dflash` options, one per DFlashTrainConfig field (--target and --out required)."""
-    p = parser or argparse.ArgumentParser(prog="draftwise train dflash", description=__doc__.split("\n")[0])
-    for f in dataclasses.fields(DFlashTrainConfig):
-        name = "--" + f.name.replace("_", "-")
-        if f.name in ("target", "out"):
-            p.add_argument(name, required=True, dest=f.name)
-        elif f.name == "target_layer_ids":
-            p.add_argument(name, type=int, nargs="+", default=None, dest=f.name)
-        else:
-            typ = {"int": int, "float": float, "str": str}.get(
-                str(f.type).replace(" | None", "").strip(), str)
-            p.add_argument(name, type=typ, default=f.default, dest=f.name)
-    p.add_argument("--no-progress", action="store_true")
-    return p
-
-
-def main(argv=None) -> str:
-    args = build_arg_parser().parse_args(argv)
-    kw = {f.name: getattr(args, f.name) for f in dataclasses.fields(DFlashTrainConfig)}
-    return train_dflash(DFlashTrainConfig(**kw), progress=not args.no_progress)

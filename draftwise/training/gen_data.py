@@ -46,14 +46,14 @@ class GenDataConfig:
 
 
 def default_capture_layers(num_layers: int) -> tuple[int, ...]:
-    """Residual-entering layers read by the EAGLE-3 trainer (2, N//2, N-3) and by a DFlash drafter
-    with 5 (or 3) evenly spaced taps (layer-output id + 1)."""
-    from draftwise.models.dflash import default_target_layer_ids
+    """Residual-entering layers read by the EAGLE-3 trainer (2, N//2, N-3) and by DFlash drafters
+    with 2, 3 or 5 evenly spaced taps (layer-output id + 1, DFlash's default spacing)."""
+    from draftwise.models.dflash import spread_target_layer_ids
     eagle = {min(2, num_layers - 1), num_layers // 2, max(num_layers - 3, 0)}
     dflash = set()
-    for n in (5, 3):
-        if num_layers > n:
-            dflash |= {i + 1 for i in default_target_layer_ids(num_layers, n) if i + 1 < num_layers}
+    for n in (2, 3, 5):
+        if n < num_layers:
+            dflash |= {i + 1 for i in spread_target_layer_ids(num_layers, n) if i + 1 < num_layers}
     return tuple(sorted(eagle | dflash))
 
 
