@@ -8,7 +8,8 @@ from typing import Any
 
 import torch
 
-SUPPORTED_METHODS = ("eagle3", "dflash", "ngram")
+SUPPORTED_METHODS = ("eagle3", "dflash", "ngram", "suffix")
+HYBRID_SOURCES = ("suffix", "ngram")
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
           "fp16": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 
@@ -117,6 +118,15 @@ class SpeculativeConfig:
     rejection_sampler: str = "fused"
     # choose per step how many tokens to speculate from measured step costs (issue 8)
     adaptive: bool = False
+    # suffix decoding (vLLM's keys and defaults)
+    suffix_decoding_max_tree_depth: int = 24
+    suffix_decoding_max_cached_requests: int = 10000
+    suffix_decoding_max_spec_factor: float = 1.0
+    suffix_decoding_min_token_prob: float = 0.1
+    # suffix decoding: verify a tree of candidates instead of the most likely chain
+    draft_tree: bool = False
+    # hybrid drafting: "suffix" | "ngram" beside an eagle3 / dflash drafter
+    hybrid: str | None = None
 
     @classmethod
     def from_any(cls, spec: Any) -> "SpeculativeConfig | None":
@@ -148,8 +158,31 @@ class SpeculativeConfig:
         k = self.num_speculative_tokens
         if k is not None and (not isinstance(k, int) or isinstance(k, bool) or k < 1):
             raise ValueError(f"num_speculative_tokens must be an integer >= 1, got {k!r}")
+        if self.method == "suffix" and k is None:
+            self.num_speculative_tokens = k = self.suffix_decoding_max_tree_depth   # vLLM's default
         if self.method != "dflash" and k is None:
             raise ValueError(f"speculative method {self.method!r} needs num_speculative_tokens")
+        if not isinstance(self.suffix_decoding_max_tree_depth, int) or self.suffix_decoding_max_tree_depth < 1:
+            raise ValueError("suffix_decoding_max_tree_depth must be an integer >= 1, got "
+                             f"{self.suffix_decoding_max_tree_depth!r}")
+        if not isinstance(self.suffix_decoding_max_cached_requests, int) or self.suffix_decoding_max_cached_requests < 0:
+            raise ValueError("suffix_decoding_max_cached_requests must be an integer >= 0, got "
+                             f"{self.suffix_decoding_max_cached_requests!r}")
+        if not isinstance(self.suffix_decoding_max_spec_factor, (int, float)) or self.suffix_decoding_max_spec_factor <= 0:
+            raise ValueError("suffix_decoding_max_spec_factor must be > 0, got "
+                             f"{self.suffix_decoding_max_spec_factor!r}")
+        if not isinstance(self.suffix_decoding_min_token_prob, (int, float)) or not 0 <= self.suffix_decoding_min_token_prob <= 1:
+            raise ValueError("suffix_decoding_min_token_prob must be in [0, 1], got "
+                             f"{self.suffix_decoding_min_token_prob!r}")
+        if self.draft_tree and self.method != "suffix" and self.hybrid != "suffix":
+            raise ValueError("draft_tree applies to suffix decoding (method 'suffix' or hybrid 'suffix'); "
+                             "EAGLE-3 trees use eagle_topk > 1")
+        if self.hybrid is not None:
+            if self.hybrid not in HYBRID_SOURCES:
+                raise ValueError(f"hybrid must be one of {', '.join(HYBRID_SOURCES)}, got {self.hybrid!r}")
+            if self.method not in ("eagle3", "dflash"):
+                raise ValueError(f"hybrid drafting pairs {self.hybrid!r} with a model drafter (method eagle3 or "
+                                 f"dflash), not {self.method!r}")
         if self.rejection_sampler not in ("fused", "logits"):
             raise ValueError(f"rejection_sampler must be 'fused' or 'logits', got {self.rejection_sampler!r}")
         if not isinstance(self.eagle_topk, int) or self.eagle_topk < 1:

@@ -14,6 +14,7 @@ class SamplingParams:
     stop: list[str] | str | None = None
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    speculate: bool = True     # False: this request is decoded without drafts (per-request opt-out)
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -31,6 +32,8 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
         if self.seed is not None and not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if not isinstance(self.speculate, bool):
+            raise ValueError(f"speculate must be true or false, got {self.speculate!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError("stop must be a string or a list of non-empty strings")
 

@@ -225,14 +225,19 @@ def _broken_rejection_sample(logits, drafts, nd, meta):
 
 
 @pytest.mark.parametrize("params_kw", [{"temperature": 1.0}, {"temperature": 0.8, "top_k": 5, "top_p": 0.9}])
-@pytest.mark.parametrize("method", ["eagle3", "ngram", "dflash"])
+@pytest.mark.parametrize("method", ["eagle3", "ngram", "dflash", "suffix", "suffix-tree", "eagle3+suffix"])
 def test_sampling_distribution_is_preserved(small_vocab, params_kw, method):
     path, ck, dck = small_vocab
     n = 3000
     base, _ = _sample_counts(path, None, params_kw, n)
     spec = {"eagle3": {"method": "eagle3", "model": ck, "num_speculative_tokens": 2},
             "ngram": {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1},
-            "dflash": {"method": "dflash", "model": dck, "num_speculative_tokens": 2}}[method]
+            "dflash": {"method": "dflash", "model": dck, "num_speculative_tokens": 2},
+            "suffix": {"method": "suffix", "num_speculative_tokens": 2, "suffix_decoding_min_token_prob": 0.0},
+            "suffix-tree": {"method": "suffix", "num_speculative_tokens": 4, "draft_tree": True,
+                            "suffix_decoding_min_token_prob": 0.0, "suffix_decoding_max_spec_factor": 2.0},
+            "eagle3+suffix": {"method": "eagle3", "model": ck, "num_speculative_tokens": 1, "hybrid": "suffix",
+                              "suffix_decoding_min_token_prob": 0.0}}[method]
     got, m = _sample_counts(path, dict(spec, rejection_sampler="logits"), params_kw, n)
     assert m["num_drafts"] > 0 and m["num_accepted_tokens"] > 0
     stat, df = two_sample_chi2(base, got)

@@ -56,6 +56,7 @@ class LLMEngine:
         self.runner = ModelRunner(config, self.model, self.model_cfg, self.proposer, num_blocks)
         self.scheduler = Scheduler(config, num_blocks, lookahead)
         self.spec_stats = SpecDecodingStats()
+        self.spec_stats_by_source: dict[str, SpecDecodingStats] = {}
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self.policy = None
@@ -112,6 +113,8 @@ class LLMEngine:
         req = self.requests.pop(request_id, None)
         if req is not None and not req.is_finished:
             self.scheduler.finish(req, "abort")
+            if self.proposer is not None:
+                self.proposer.on_request_finished(req)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -138,6 +141,8 @@ class LLMEngine:
             if s.num_draft_tokens:
                 self.spec_stats.observe(s.num_draft_tokens, acc)
                 req.metrics.observe(s.num_draft_tokens, acc)
+                src = req.spec_source or self.spec_config.method
+                self.spec_stats_by_source.setdefault(src, SpecDecodingStats()).observe(s.num_draft_tokens, acc)
                 if self.policy is not None:
                     self.policy.observe_acceptance(s.num_draft_tokens, acc)
             appended = self.scheduler.update(s, new, acc)
@@ -158,8 +163,10 @@ class LLMEngine:
             drafts = self.runner.propose(step, k)
             if self.policy is not None:
                 self.policy.observe_draft_time(len(sched.scheduled), k, time.perf_counter() - t_draft)
-        for s, d in zip(sched.scheduled, drafts):
+        sources = getattr(self.proposer, "last_sources", None) or [None] * len(drafts)
+        for s, d, src in zip(sched.scheduled, drafts, sources):
             if not s.request.is_finished and d:
+                s.request.spec_source = src
                 if isinstance(d, list):
                     s.request.spec_token_ids = d
                 else:                       # a TreeDraft
@@ -168,7 +175,9 @@ class LLMEngine:
         self.num_steps += 1
         for o in outputs:
             if o.finished:
-                self.requests.pop(o.request_id, None)
+                req = self.requests.pop(o.request_id, None)
+                if req is not None and self.proposer is not None:
+                    self.proposer.on_request_finished(req)
         return outputs
 
     def _detokenize(self, req: Request) -> str:
@@ -196,6 +205,7 @@ class LLMEngine:
     # --- stats ----------------------------------------------------------------------------------------
     def get_metrics(self) -> dict:
         d = {"spec_decode": self.spec_stats.as_dict(),
+             "spec_decode_by_source": {k: v.as_dict() for k, v in sorted(self.spec_stats_by_source.items())},
              "kv_blocks_used": self.scheduler.allocator.num_used,
              "kv_blocks_total": self.scheduler.allocator.num_blocks,
              "num_running": len(self.scheduler.running), "num_waiting": len(self.scheduler.waiting),

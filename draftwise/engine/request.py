@@ -29,6 +29,7 @@ class Request:
         self.num_computed_tokens = 0          # tokens whose K/V are in the cache
         self.spec_token_ids: list[int] = []   # drafts to verify in the next step
         self.spec_tree = None                 # tree drafting: the TreeDraft to verify next
+        self.spec_source: str | None = None   # which drafter made the pending draft (hybrid drafting)
         self.block_ids: list[int] = []
         self.finish_reason: str | None = None
         self.eos_token_ids = () if params.ignore_eos else tuple(eos_token_ids)

@@ -17,9 +17,28 @@ def shipped_drafter(model_path: str, target_cfg: ModelConfig, method: str) -> st
 
 def build_proposer(spec: SpeculativeConfig, target_model, target_cfg: ModelConfig, cfg: EngineConfig,
                    model_path: str):
-    if spec.method == "ngram":
+    if spec.method in ("ngram", "suffix"):
+        return _training_free(spec.method, spec, spec.num_speculative_tokens)
+    model = _model_proposer(spec, target_model, target_cfg, cfg, model_path)
+    if spec.hybrid is None:
+        return model
+    from draftwise.spec_decode.hybrid import HybridProposer
+    fast_k = spec.suffix_decoding_max_tree_depth if spec.hybrid == "suffix" else spec.num_speculative_tokens
+    return HybridProposer(model, _training_free(spec.hybrid, spec, fast_k), fast_k)
+
+
+def _training_free(method: str, spec: SpeculativeConfig, k: int):
+    if method == "ngram":
         from draftwise.spec_decode.ngram import NgramProposer
-        return NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
+        return NgramProposer(k, spec.prompt_lookup_min, spec.prompt_lookup_max)
+    from draftwise.spec_decode.suffix import SuffixProposer
+    return SuffixProposer(k, spec.suffix_decoding_max_tree_depth, spec.suffix_decoding_max_cached_requests,
+                          spec.suffix_decoding_max_spec_factor, spec.suffix_decoding_min_token_prob,
+                          spec.draft_tree)
+
+
+def _model_proposer(spec: SpeculativeConfig, target_model, target_cfg: ModelConfig, cfg: EngineConfig,
+                    model_path: str):
     path = spec.model
     if path is None:
         path = shipped_drafter(model_path, target_cfg, spec.method)

@@ -44,3 +44,6 @@ class Proposer:
 
     def propose(self, inp: ProposerInput, kv_cache, block_size: int, num_spec_tokens: int) -> list[list[int]]:
         raise NotImplementedError
+
+    def on_request_finished(self, request) -> None:
+        """A request finished or was aborted (suffix decoding caches its output)."""

@@ -54,6 +54,36 @@ class TreeDraft:
         return ch
 
 
+def tree_draft_from_parents(root_token: int, tokens: list[int], parents: list[int],
+                            probs: list[float] | None = None) -> TreeDraft:
+    """A TreeDraft from nodes in creation order (`parents[i]` the index of node i's parent among the
+    nodes, -1 for a child of the root), as model-free drafters (suffix decoding) produce them."""
+    n = len(tokens) + 1
+    par = [-1] + [p + 1 for p in parents]
+    depths = [0] * n
+    mask = torch.eye(n, dtype=torch.bool)
+    for i in range(1, n):
+        if not 0 <= par[i] < i:
+            raise ValueError(f"tree node {i - 1} has parent {parents[i - 1]}: parents must come first")
+        depths[i] = depths[par[i]] + 1
+        mask[i] |= mask[par[i]]
+    has_child = set(par[1:])
+    paths = []
+    for leaf in range(1, n):
+        if leaf not in has_child:
+            path, cur = [], leaf
+            while cur >= 0:
+                path.append(cur)
+                cur = par[cur]
+            paths.append(path[::-1])
+    scores = None
+    if probs is not None:
+        scores = torch.tensor([0.0] + [float(p) for p in probs]).clamp_min(1e-12).log()
+        scores[0] = 0.0
+    return TreeDraft([int(root_token)] + [int(t) for t in tokens], torch.tensor(depths), mask, par, paths,
+                     scores)
+
+
 class TokenTree:
     """The seed's TokenTree, batched over B trees as tensors.
 

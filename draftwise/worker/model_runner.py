@@ -253,6 +253,7 @@ class ModelRunner:
                 next_ids.append(req.all_token_ids[last_pos + 1] if last_pos + 1 < req.num_tokens else 0)
             sampled_pos = last_pos + 1
             want.append(bool(num_spec_tokens > 0 and s.completes_prompt and not req.is_finished
+                             and req.params.speculate
                              and sampled_pos + num_spec_tokens < self.config.max_model_len))
         if not any(want) and not self.proposer.needs_aux_hidden_states:
             return [[] for _ in scheds]
@@ -268,5 +269,12 @@ class ModelRunner:
             seq_lens=seq_lens, block_tables=step.block_tables, want_draft=want,
             requests=[s.request for s in scheds], new_tokens=step.new_token_ids)
         drafts = self.proposer.propose(inp, self.kv_cache, self.block_size, num_spec_tokens)
+        # variable-length drafters may propose past the position limit: keep what fits
+        for i, (d, n) in enumerate(zip(drafts, seq_lens)):
+            room = self.config.max_model_len - 1 - n
+            if isinstance(d, list) and len(d) > room:
+                drafts[i] = d[:max(0, room)]
+            elif d and not isinstance(d, list) and d.num_nodes > room:     # a TreeDraft
+                drafts[i] = []
         self.timer.add("drafting", time.perf_counter() - t0)
         return drafts
