@@ -220,6 +220,8 @@ class EngineConfig:
     # compiled graphs (worker/compiled_graphs.py); None reads $DRAFTWISE_ENFORCE_EAGER (default off)
     enforce_eager: bool | None = None
     compile_sizes: tuple[int, ...] | None = None   # static token buckets; None: (1, 2, 4, 8)
+    # weight-only quantization of the target's (and drafter's) linears: None | "int8" | "int4"
+    quantization: str | None = None
 
     def __post_init__(self):
         if self.enforce_eager is None:
@@ -229,6 +231,8 @@ class EngineConfig:
             if not sizes or not all(isinstance(x, int) and x >= 1 for x in sizes):
                 raise ValueError(f"compile_sizes must be positive integers, got {self.compile_sizes!r}")
             self.compile_sizes = tuple(sorted(set(sizes)))
+        if self.quantization is not None and self.quantization not in ("int8", "int4"):
+            raise ValueError(f"unknown quantization {self.quantization!r}; choose 'int8', 'int4' or None")
         if self.dtype not in DTYPES:
             raise ValueError(f"unknown dtype {self.dtype!r}; choose one of {sorted(DTYPES)}")
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size"):

@@ -24,6 +24,13 @@ def test_bench_runs_methods_side_by_side(tmp_path):
     assert res[0]["speedup_vs_ar"] == 1.0
     assert os.path.getsize(os.path.join(out, "bench.png")) > 1000
     assert "| ngram |" in open(os.path.join(out, "bench.md")).read()
+    # quantized targets: speculation is compared with plain decoding of the same weights
+    rc = main(["bench", "--model", model, "--methods", "ar,ar@int4,ngram@int4,suffix@int4", "--dataset", str(q),
+               "--max-tokens", "12", "--max-model-len", "256", "--out", out])
+    assert rc == 0
+    res = {r["method"]: r for r in json.load(open(os.path.join(out, "bench.json")))["results"]}
+    assert res["ngram@int4"]["greedy_reference"] == "ar@int4" and res["ngram@int4"]["greedy_match"] == 1.0
+    assert res["suffix@int4"]["greedy_match"] == 1.0 and res["ar@int4"]["quantization"] == "int4"
     rc = main(["bench", "--model", model, "--methods", "ar,ngram", "--dataset", str(q), "--max-tokens", "8",
                "--max-model-len", "256", "--out", out, "--sweep", "1,2"])
     assert rc == 0

@@ -26,6 +26,11 @@ PRESETS = {
     "dflash": {"method": "dflash"},
     "ngram": {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 2, "prompt_lookup_max": 4},
     "eagle3-adaptive": {"method": "eagle3", "num_speculative_tokens": 5, "adaptive": True},
+    "suffix": {"method": "suffix"},
+    "suffix-tree": {"method": "suffix", "num_speculative_tokens": 16, "draft_tree": True},
+    "eagle3-suffix": {"method": "eagle3", "num_speculative_tokens": 3, "hybrid": "suffix"},
+    "eagle3-ngram": {"method": "eagle3", "num_speculative_tokens": 3, "hybrid": "ngram",
+                     "prompt_lookup_min": 2, "prompt_lookup_max": 4},
 }
 PEERS = ("hf", "hf-pld", "llamacpp", "llamacpp-pld")
 
@@ -46,24 +51,38 @@ def add_bench_args(p) -> None:
     p.add_argument("--out", default="bench_out")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--enforce-eager", action="store_true", help="eager mode (no compiled graphs)")
+    p.add_argument("--quantization", default=None, choices=["int8", "int4"],
+                   help="quantize the target for every engine method without an @int8/@int4 suffix")
     p.add_argument("--rounds", type=int, default=1, help="sweep: repeat the sweep, report medians")
 
 
-def parse_methods(s: str) -> list[tuple[str, object]]:
+def parse_methods(s: str, default_quantization: str | None = None) -> list[tuple[str, object, str | None]]:
+    """(name, speculative config or peer name, quantization) per comma-separated item: a preset,
+    a peer, or name=JSON; a suffix @int8 / @int4 runs it on the quantized target."""
     out = []
     for item in s.split(","):
         item = item.strip()
         if not item:
             continue
+        quant = default_quantization
         if "=" in item:
             name, js = item.split("=", 1)
-            out.append((name, json.loads(js)))
-        elif item in PRESETS:
-            out.append((item, PRESETS[item]))
-        elif item in PEERS:
-            out.append((item, item))
+            spec = json.loads(js)
         else:
-            raise ValueError(f"unknown bench method {item!r}; known: {', '.join(list(PRESETS) + list(PEERS))}")
+            name = item
+            base, _, q = item.partition("@")
+            if q:
+                if q not in ("int8", "int4"):
+                    raise ValueError(f"unknown quantization suffix @{q} in {item!r} (use @int8 or @int4)")
+                quant = q
+            if base in PRESETS:
+                spec = PRESETS[base]
+            elif base in PEERS and not q:
+                spec = base
+            else:
+                raise ValueError(f"unknown bench method {item!r}; known: {', '.join(list(PRESETS) + list(PEERS))}"
+                                 " (engine methods take an @int8 / @int4 suffix)")
+        out.append((name, spec, None if spec in PEERS else quant))
     return out
 
 
@@ -86,20 +105,21 @@ def _chat_turns(llm_or_tok, convs, generate_fn, max_turns, batch_size, bar=None)
     return outputs
 
 
-def build_engine_llm(spec, args, max_num_seqs: int):
+def build_engine_llm(spec, args, max_num_seqs: int, quantization: str | None = None):
     from draftwise import LLM, SamplingParams
     llm = LLM(args.model, max_model_len=args.max_model_len, max_num_seqs=max(1, max_num_seqs),
-              speculative_config=spec, enforce_eager=True if args.enforce_eager else None)
+              speculative_config=spec, enforce_eager=True if args.enforce_eager else None,
+              quantization=quantization)
     # warm up (allocator, kernels) outside the timed region
     llm.generate([{"prompt_token_ids": [1, 2, 3, 4]}], SamplingParams(temperature=0, max_tokens=4))
     return llm
 
 
-def run_engine_method(name, spec, args, convs, bar=None, llm=None) -> dict:
+def run_engine_method(name, spec, args, convs, bar=None, llm=None, quantization=None) -> dict:
     from draftwise import SamplingParams
     own = llm is None
     if own:
-        llm = build_engine_llm(spec, args, args.batch_size)
+        llm = build_engine_llm(spec, args, args.batch_size, quantization)
     sp = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     eng = llm.engine
     before = eng.spec_stats.as_dict()
@@ -123,7 +143,7 @@ def run_engine_method(name, spec, args, convs, bar=None, llm=None) -> dict:
     dtoks = after["num_draft_tokens"] - before["num_draft_tokens"]
     per_pos = [a - (before["accepted_per_position"][i] if i < len(before["accepted_per_position"]) else 0)
                for i, a in enumerate(after["accepted_per_position"])]
-    res = {"method": name, "spec": spec, "output_tokens": n_tokens, "time_s": gen_time,
+    res = {"method": name, "spec": spec, "quantization": quantization, "output_tokens": n_tokens, "time_s": gen_time,
            "tokens_per_s": n_tokens / gen_time if gen_time else 0.0,
            "num_drafts": drafts, "num_draft_tokens": dtoks, "num_accepted": acc,
            "mean_acceptance_length": 1 + acc / drafts if drafts else None,
@@ -177,13 +197,13 @@ def run_bench(args) -> list[dict]:
     convs = _setup_and_load(args)
     if args.num_prompts:
         convs = convs[:args.num_prompts]
-    methods = parse_methods(args.methods)
+    methods = parse_methods(args.methods, getattr(args, "quantization", None))
     if methods[0][0] != "ar":
-        methods.insert(0, ("ar", None))
+        methods.insert(0, ("ar", None, None))
     total = sum(min(len(c), args.max_turns) for c in convs) * len(methods)
     bar = tqdm(total=total, desc="bench", dynamic_ncols=True)
     results = []
-    for name, spec in methods:
+    for name, spec, quant in methods:
         bar.set_postfix(method=name)
         if spec in PEERS:
             try:
@@ -191,15 +211,20 @@ def run_bench(args) -> list[dict]:
             except (ImportError, ValueError) as e:
                 r = {"method": name, "skipped": str(e)}
         else:
-            r = run_engine_method(name, spec, args, convs, bar)
+            r = run_engine_method(name, spec, args, convs, bar, quantization=quant)
         results.append(r)
     bar.close()
     ar = results[0]
+    # greedy outputs are compared with plain decoding of the same weights (fp32 or quantized)
+    plain = {r.get("quantization"): r for r in results if "skipped" not in r and r.get("spec", 0) is None}
     for r in results:
         if "skipped" in r:
             continue
         r["speedup_vs_ar"] = r["tokens_per_s"] / ar["tokens_per_s"] if ar["tokens_per_s"] else None
-        pairs = [(a, b) for ca, cb in zip(ar["outputs"], r["outputs"]) for a, b in zip(ca, cb)]
+        base = plain.get(r.get("quantization"), ar) if r.get("spec") not in PEERS else ar
+        r["speedup_vs_same_weights_ar"] = r["tokens_per_s"] / base["tokens_per_s"] if base["tokens_per_s"] else None
+        r["greedy_reference"] = base["method"]
+        pairs = [(a, b) for ca, cb in zip(base["outputs"], r["outputs"]) for a, b in zip(ca, cb)]
         r["greedy_match"] = sum(a == b for a, b in pairs) / len(pairs) if pairs else None
     return results
 
@@ -213,17 +238,20 @@ def to_markdown(results: list[dict], args) -> str:
     lines = [f"Prompts: `{args.dataset}` ({args.num_prompts or 'all'} conversations, up to {args.max_turns} turns), "
              f"greedy, batch {args.batch_size}, up to {args.max_tokens} new tokens per turn. "
              f"Machine: {machine_description()}.", "",
-             "| method | tokens/s | speedup vs AR | mean acc. length | acceptance per position | greedy == AR |",
-             "|---|---|---|---|---|---|"]
+             "| method | tokens/s | speedup vs AR | vs AR, same weights | mean acc. length | acceptance per position "
+             "| greedy == plain decoding (of) |",
+             "|---|---|---|---|---|---|---|"]
     for r in results:
         if "skipped" in r:
-            lines.append(f"| {r['method']} | skipped: {r['skipped']} | | | | |")
+            lines.append(f"| {r['method']} | skipped: {r['skipped']} | | | | | |")
             continue
         mal = f"{r['mean_acceptance_length']:.2f}" if r.get("mean_acceptance_length") else "–"
         pp = " ".join(f"{a:.2f}" for a in r.get("acceptance_per_position", [])) or "–"
         gm = r.get("greedy_match")
         gms = "–" if gm is None else ("yes" if gm == 1.0 else f"{gm:.0%}")
-        lines.append(f"| {r['method']} | {r['tokens_per_s']:.1f} | {r.get('speedup_vs_ar', 0):.2f}x | {mal} | {pp} | {gms} |")
+        same = r.get("speedup_vs_same_weights_ar") or 0
+        lines.append(f"| {r['method']} | {r['tokens_per_s']:.1f} | {r.get('speedup_vs_ar', 0):.2f}x | {same:.2f}x | {mal} "
+                     f"| {pp} | {gms} ({r.get('greedy_reference')}) |")
     return "\n".join(lines)
 
 
@@ -259,16 +287,16 @@ def run_sweep(args) -> dict:
     import statistics
     convs = _setup_and_load(args)
     sizes = [int(x) for x in args.sweep.split(",")]
-    methods = [(n, s) for n, s in parse_methods(args.methods) if s not in PEERS]
+    methods = [m for m in parse_methods(args.methods, getattr(args, "quantization", None)) if m[1] not in PEERS]
     if methods[0][0] != "ar":
-        methods.insert(0, ("ar", None))
-    llms = {name: build_engine_llm(spec, args, max(sizes)) for name, spec in methods}
+        methods.insert(0, ("ar", None, None))
+    llms = {name: build_engine_llm(spec, args, max(sizes), q) for name, spec, q in methods}
     samples: dict = {}
     for rnd in range(args.rounds):
         for b in sizes:
             a = copy.copy(args)
             a.batch_size, a.max_turns = b, 1
-            for name, spec in methods:
+            for name, spec, _ in methods:
                 r = run_engine_method(name, spec, a, convs[:b], llm=llms[name])
                 samples.setdefault(name, {}).setdefault(b, []).append(r["tokens_per_s"])
                 pol = r.get("speculation_policy")

@@ -41,15 +41,7 @@ class LLMEngine:
             self.proposer = build_proposer(self.spec_config, self.model, self.model_cfg, config,
                                            self.model_path)
             self.num_spec_tokens = self.spec_config.num_speculative_tokens
-        if torch.device(config.device).type == "cpu":
-            # CPU matmuls: keep a transposed copy of every weight for multi-row GEMMs (and, in
-            # compiled graphs, for single rows too; see layers/linear.py)
-            from draftwise.layers.linear import prepare_linears_for_inference
-            gemv = bool(config.enforce_eager)
-            prepare_linears_for_inference(self.model, gemv)
-            draft = getattr(self.proposer, "model", None)
-            if draft is not None:
-                prepare_linears_for_inference(draft, gemv)
+        self._prepare_linears()
         lookahead = self.proposer.num_lookahead_tokens if self.proposer else 0
         blocks_per_seq = math.ceil((config.max_model_len + lookahead + 1) / config.block_size)
         num_blocks = config.num_kv_blocks or blocks_per_seq * config.max_num_seqs
@@ -67,6 +59,34 @@ class LLMEngine:
             sizes = sorted({1 << i for i in range(12) if 1 << i < limit} | {limit})
             self.policy.set_step_costs(self.runner.measure_target_costs(sizes))
         self.num_steps = 0
+
+    def _prepare_linears(self) -> None:
+        """Weight-only quantization (layers/quant.py), else, on CPU, transposed weight copies for
+        multi-row GEMMs (layers/linear.py); the drafter's linears get the same treatment (int8
+        per channel when quantizing: its weights are not GGUF blocks, and 8 bits keep it close)."""
+        config = self.config
+        draft = getattr(self.proposer, "model", None)
+        if config.quantization is not None:
+            from draftwise.layers.quant import quantize_model
+            from draftwise.models.loader import gguf_path_for
+            source = None
+            gguf = gguf_path_for(config.model)
+            if config.quantization == "int4" and gguf is not None:
+                from draftwise.config import cache_dir
+                from draftwise.models.gguf_convert import gguf_int4_source
+                source = gguf_int4_source(gguf, cache_dir())
+            self.quantization_counts = quantize_model(self.model, config.quantization, source)
+            if draft is not None:
+                quantize_model(draft, "int8")
+            return
+        if torch.device(config.device).type == "cpu":
+            # CPU matmuls: keep a transposed copy of every weight for multi-row GEMMs (and, in
+            # compiled graphs, for single rows too; see layers/linear.py)
+            from draftwise.layers.linear import prepare_linears_for_inference
+            gemv = bool(config.enforce_eager)
+            prepare_linears_for_inference(self.model, gemv)
+            if draft is not None:
+                prepare_linears_for_inference(draft, gemv)
 
     # --- requests ----------------------------------------------------------------------------------
     def tokenize_prompt(self, prompt) -> tuple[str | None, list[int]]:

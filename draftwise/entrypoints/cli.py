@@ -28,6 +28,8 @@ def _engine_args(p: argparse.ArgumentParser, spec_default: str | None = DEFAULT_
     p.add_argument("--compile", action="store_true",
                    help="compiled graphs with warmup buckets (faster steps after a 1-5 min warmup; "
                         "`serve` and `bench` compile by default)")
+    p.add_argument("--quantization", default=None, choices=["int8", "int4"],
+                   help="weight-only quantization of the target's linears (default: none, fp32)")
     p.add_argument("--compile-sizes", default=None,
                    help="static token buckets for compiled graphs, e.g. 1,2,4,8 (default)")
 
@@ -60,7 +62,7 @@ def build_llm(args):
                block_size=args.block_size, dtype=args.dtype, device=args.device, seed=args.seed,
                speculative_config=_spec_from_arg(args.speculative_config),
                enforce_eager=not args.compile,
-               compile_sizes=_compile_sizes(args.compile_sizes))
+               compile_sizes=_compile_sizes(args.compile_sizes), quantization=args.quantization)
 
 
 def _sampling(args):
@@ -78,31 +80,45 @@ def _sampling_args(p):
     p.add_argument("--stop", action="append")
 
 
-def _print_metrics(llm, n_tokens: int, elapsed: float) -> None:
-    m = llm.get_metrics()
-    sd = m["spec_decode"]
-    line = f"[{n_tokens} tokens in {elapsed:.2f}s = {n_tokens / max(elapsed, 1e-9):.1f} tokens/s"
-    if sd["num_drafts"]:
-        rates = [round(a / sd["num_drafts"], 3) for a in sd["accepted_per_position"]]
-        line += (f"; mean acceptance length {sd['mean_acceptance_length']:.2f}, acceptance rate "
-                 f"{sd['acceptance_rate']:.2f}, per position {rates}")
-    print(line + "]", file=sys.stderr)
+def stats_line(outs, startup_s: float | None, spec: dict | None) -> str:
+    """One honest line: start-up, prefill (time to first token) and decode speed kept apart."""
+    n_prompt = sum(len(o.prompt_token_ids) for o in outs)
+    n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+    first = min(o.metrics.arrival_time for o in outs)
+    ttft = max(o.metrics.first_token_time - o.metrics.arrival_time for o in outs if o.metrics.first_token_time)
+    t_first = max(o.metrics.first_token_time for o in outs if o.metrics.first_token_time)
+    t_end = max(o.metrics.finished_time or o.metrics.first_token_time for o in outs)
+    decoded = n_out - len(outs)                 # tokens after each request's first one
+    parts = []
+    if startup_s is not None:
+        parts.append(f"start-up {startup_s:.1f} s")
+    parts.append(f"prefill {n_prompt} tokens, first token after {ttft:.2f} s")
+    if decoded > 0 and t_end > t_first:
+        parts.append(f"decode {decoded} tokens in {t_end - t_first:.2f} s = {decoded / (t_end - t_first):.1f} tokens/s")
+    parts.append(f"total {n_out} tokens in {t_end - first:.2f} s")
+    if spec and spec.get("num_drafts"):
+        parts.append(f"mean acceptance length {spec['mean_acceptance_length']:.2f} "
+                     f"(acceptance rate {spec['acceptance_rate']:.2f})")
+    elif spec is not None:
+        parts.append("no drafts")
+    return "[" + " | ".join(parts) + "]"
 
 
 def cmd_generate(args) -> int:
+    t0 = time.perf_counter()
     llm = build_llm(args)
+    startup = time.perf_counter() - t0
     sp = _sampling(args)
     prompts = args.prompt or ["Explain speculative decoding in two sentences."]
-    t0 = time.perf_counter()
     if args.raw:
         outs = llm.generate(prompts, sp)
     else:
         outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], sp)
-    elapsed = time.perf_counter() - t0
     for o in outs:
         print(o.outputs[0].text)
         print("---" if len(outs) > 1 else "", end="\n" if len(outs) > 1 else "")
-    _print_metrics(llm, sum(len(o.outputs[0].token_ids) for o in outs), elapsed)
+    spec = llm.get_metrics()["spec_decode"] if llm.engine.spec_config is not None else None
+    print(stats_line(outs, startup, spec), file=sys.stderr)
     return 0
 
 

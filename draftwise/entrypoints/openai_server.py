@@ -867,6 +867,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--served-model-name", default=None, help="model id clients send (default: --model)")
     parser.add_argument("--seed", type=int, default=0, help="engine seed (default: 0)")
     parser.add_argument("--dtype", default=None, help="float32 (default), bfloat16, float16")
+    parser.add_argument("--quantization", default=None, choices=["int8", "int4"],
+                        help="weight-only quantization of the target's linears (default: none)")
     parser.add_argument("--enforce-eager", action="store_true",
                         help="skip compiled graphs (no warmup at start-up; slower steps)")
     parser.add_argument("--shutdown-timeout", type=float, default=30.0,
@@ -900,6 +902,8 @@ def build_llm(args):
         kw["dtype"] = args.dtype
     if getattr(args, "enforce_eager", False):
         kw["enforce_eager"] = True
+    if getattr(args, "quantization", None):
+        kw["quantization"] = args.quantization
     spec_arg = args.speculative_config
     if spec_arg is not None and spec_arg.strip().lower() in ("none", "null", ""):
         return LLM(args.model, speculative_config=None, **kw)

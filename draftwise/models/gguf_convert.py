@@ -141,3 +141,63 @@ def convert_gguf(path: str, cache_root: str) -> str:
     shutil.rmtree(out, ignore_errors=True)
     os.replace(tmp, out)
     return out
+
+
+# --- Q4_1 blocks for the int4 kernels (layers/quant.py) ------------------------------------------
+Q4_1_BLOCK = 32
+_FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+          "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+
+
+def decode_q4_1(raw: np.ndarray, rows: int, cols: int):
+    """GGUF Q4_1 bytes -> (codes uint8 [rows, cols] in 0..15, d fp16 [rows, cols/32], m fp16 [...]),
+    with w = codes * d + m per block of 32 columns (ggml's block_q4_1: d, m, 16 bytes of nibbles;
+    low nibbles are columns 0..15 of the block, high nibbles 16..31)."""
+    blocks = raw.reshape(-1, 20)
+    d = blocks[:, 0:2].copy().view(np.float16)[:, 0]
+    m = blocks[:, 2:4].copy().view(np.float16)[:, 0]
+    qs = blocks[:, 4:]
+    codes = np.concatenate([qs & 0xF, qs >> 4], axis=1).astype(np.uint8)
+    return (codes.reshape(rows, cols), d.reshape(rows, cols // Q4_1_BLOCK), m.reshape(rows, cols // Q4_1_BLOCK))
+
+
+def gguf_int4_source(gguf_path: str, cache_root: str) -> dict:
+    """The GGUF's Q4_1 layer weights in the int4 layout, keyed by draftwise module name (q/k/v and
+    gate/up fused like the model): {name: (codes [N, K] uint8, scale [N, K/32], minimum [N, K/32])}.
+    Cached next to the converted model (the fp32 conversion's directory)."""
+    from safetensors.torch import load_file, save_file
+    out_dir = convert_gguf(gguf_path, cache_root)
+    cached = os.path.join(out_dir, "int4", "q4_1_blocks.safetensors")   # not a model shard
+    if not os.path.exists(cached):
+        os.makedirs(os.path.dirname(cached), exist_ok=True)
+        from gguf import GGUFReader
+        reader = GGUFReader(gguf_path)
+        cfg = gguf_config(reader)
+        n_head, n_kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+        parts: dict[str, dict[int, tuple]] = {}
+        for t in reader.tensors:
+            if t.tensor_type.name != "Q4_1" or not t.name.startswith("blk.") or not t.name.endswith(".weight"):
+                continue
+            _, idx, rest = t.name.split(".", 2)
+            base = rest.rsplit(".", 1)[0]
+            if base not in _BLOCK_MAP:
+                continue
+            cols, rows = (int(x) for x in t.shape)
+            codes, d, m = decode_q4_1(np.asarray(t.data), rows, cols)
+            if cfg["model_type"] == "llama" and base in ("attn_q", "attn_k"):
+                n = n_head if base == "attn_q" else n_kv
+                codes, d, m = (unpermute_qk(a, n) for a in (codes, d, m))
+            mod, proj = _BLOCK_MAP[base].split(".")
+            fused, shard = _FUSED.get(proj, (proj, 0))
+            parts.setdefault(f"layers.{idx}.{mod}.{fused}", {})[shard] = (codes, d, m)
+        tensors = {}
+        for name, shards in parts.items():
+            ordered = [shards[i] for i in sorted(shards)]
+            for j, key in enumerate(("codes", "scale", "minimum")):
+                tensors[f"{name}.{key}"] = torch.from_numpy(np.ascontiguousarray(
+                    np.concatenate([s[j] for s in ordered], axis=0)))
+        save_file(tensors, cached + ".tmp")
+        os.replace(cached + ".tmp", cached)
+    t = load_file(cached)
+    names = {k.rsplit(".", 1)[0] for k in t}
+    return {n: (t[f"{n}.codes"], t[f"{n}.scale"].float(), t[f"{n}.minimum"].float()) for n in names}

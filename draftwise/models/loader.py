@@ -34,6 +34,15 @@ def find_packaged_gguf(name: str) -> str:
     return path
 
 
+def gguf_path_for(model: str) -> str | None:
+    """The GGUF file a model name or path is read from, if any."""
+    if model in PACKAGED_GGUF:
+        return find_packaged_gguf(model)
+    if model.endswith(".gguf") and os.path.isfile(model):
+        return model
+    return None
+
+
 def resolve_model_dir(model: str) -> str:
     """Return a local Hugging Face-style directory for `model` (converting a GGUF once)."""
     if model in PACKAGED_GGUF:

@@ -1,0 +1,156 @@
+"""Weight-only quantized linears on PyTorch's CPU kernels (`quantization="int8" | "int4"`).
+
+Kernels (ATen, vectorized for AVX2 / AVX-512 when activations and scales are **bf16**; fp32
+activations take a scalar path that is 5-10x slower than fp32 matmul):
+
+- int8: `aten._weight_int8pack_mm(x_bf16, w_int8 [N, K], scale_bf16 [N])`, per-output-channel
+  symmetric scales;
+- int4: `aten._weight_int4pack_mm_for_cpu(x_bf16, packed, group, scales_and_zeros_bf16 [K/g, N, 2])`
+  with w = (q - 8) * scale + zero, q in 0..15, per group of `group` input columns. A GGUF Q4_1 block
+  (w = d * q + m, 32 columns) is exactly this layout with scale = d, zero = m + 8 d, so SmolLM2's
+  Q4_1 weights load without re-quantization (only d and m are rounded from fp16 to the kernel's
+  bf16).
+
+Both kernels stream one row of activations through the packed weights, so their cost grows
+linearly with the row count: measured on SmolLM2's 120 layer linears (2 threads, AVX2), int4 takes
+10.6 / 15.3 / 28.0 / 55.2 / 85 / 170 ms for 1 / 4 / 8 / 16 / 32 / 64 rows against fp32's 27.2 /
+74.2 / 76.8 / 62-96 / 97 / 123 ms. So rows up to `MAX_KERNEL_ROWS` (decode, verification, drafting)
+use the quantized kernel and larger row counts (prefill chunks, large batches) a dense fp32 GEMM
+over the dequantized copy of exactly the same weights; both paths compute the same quantized model
+(activations in bf16 on the first, fp32 on the second).
+
+On CUDA the dense path is used for every row count (the CPU kernels' packing is CPU-only).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+QUANTIZATION_MODES = ("int8", "int4")
+MAX_KERNEL_ROWS = 32
+INT4_GROUP = 32
+
+
+def quantize_int8_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q int8 [N, K], scale [N]) with w ~ q * scale[:, None] (symmetric, round to nearest)."""
+    w = w.float()
+    scale = (w.abs().amax(1) / 127.0).clamp_min(1e-12)
+    q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+    return q, scale
+
+
+def quantize_int4_groupwise(w: torch.Tensor, group: int = INT4_GROUP):
+    """Asymmetric min/max int4 per group of `group` input columns (the GGUF Q4_1 recipe):
+    (codes uint8 [N, K] in 0..15, scale [N, K/g], minimum [N, K/g]) with w ~ codes * scale + min."""
+    N, K = w.shape
+    if K % group:
+        raise ValueError(f"int4 needs the input size ({K}) to be a multiple of the group size {group}")
+    wg = w.float().reshape(N, K // group, group)
+    mn, mx = wg.amin(-1), wg.amax(-1)
+    scale = ((mx - mn) / 15.0).clamp_min(1e-12)
+    codes = torch.round((wg - mn[..., None]) / scale[..., None]).clamp(0, 15).to(torch.uint8)
+    return codes.reshape(N, K), scale, mn
+
+
+class Int8Linear(nn.Module):
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None):
+        super().__init__()
+        self.out_features, self.in_features = q.shape
+        self.register_buffer("qweight", q.contiguous())
+        self.register_buffer("scale", scale.to(torch.bfloat16).contiguous())
+        # the dense copy of the same weights (bf16-rounded scales), for many rows
+        self.register_buffer("weight_t", (q.float() * self.scale.float()[:, None]).t().contiguous())
+        self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The dequantized [out, in] weight (for code that reads weights directly)."""
+        return self.weight_t.t()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        if x2.shape[0] <= MAX_KERNEL_ROWS and x.device.type == "cpu":
+            y = torch.ops.aten._weight_int8pack_mm(x2.to(torch.bfloat16), self.qweight, self.scale).to(x.dtype)
+        else:
+            y = x2 @ self.weight_t.to(x.dtype)
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
+        return y.reshape(*shape[:-1], self.out_features)
+
+
+class Int4Linear(nn.Module):
+    def __init__(self, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, group: int = INT4_GROUP,
+                 bias: torch.Tensor | None = None):
+        super().__init__()
+        N, K = codes.shape
+        self.out_features, self.in_features, self.group = N, K, group
+        s = scale.to(torch.bfloat16)
+        z = (minimum.float() + 8.0 * scale.float()).to(torch.bfloat16)          # w = (q - 8) s + z
+        self.register_buffer("scales_and_zeros", torch.stack([s, z], -1).transpose(0, 1).contiguous())
+        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+            codes.to(torch.int32).contiguous(), 1))
+        w = ((codes.float() - 8.0).reshape(N, K // group, group) * s.float()[..., None]
+             + z.float()[..., None]).reshape(N, K)
+        self.register_buffer("weight_t", w.t().contiguous())
+        self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The dequantized [out, in] weight (for code that reads weights directly)."""
+        return self.weight_t.t()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        if x2.shape[0] <= MAX_KERNEL_ROWS and x.device.type == "cpu":
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2.to(torch.bfloat16), self.packed, self.group,
+                                                           self.scales_and_zeros).to(x.dtype)
+        else:
+            y = x2 @ self.weight_t.to(x.dtype)
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
+        return y.reshape(*shape[:-1], self.out_features)
+
+
+def _linear_weight(mod: nn.Module) -> torch.Tensor:
+    return mod.weight.detach()
+
+
+def _linear_bias(mod: nn.Module):
+    b = getattr(mod, "bias", None)
+    return None if b is None else b.detach()
+
+
+def quantize_model(model: nn.Module, mode: str, int4_source: dict | None = None,
+                   skip: tuple[str, ...] = ()) -> dict:
+    """Replace the linears of `model` (nn.Linear, or the engine's TransposedLinear) by quantized
+    ones, in place. int4: every layer linear with group-wise int4 - from `int4_source[name] =
+    (codes, scale, minimum)` when given (GGUF Q4_1 blocks, exact), else quantized from its weights
+    - and the LM head per-channel int8 (it reads the embedding, which GGUF stores as Q8_0). int8:
+    every linear per-channel int8. Returns {"exact": n, "quantized": n} counts."""
+    from draftwise.layers.linear import TransposedLinear
+    if mode not in QUANTIZATION_MODES:
+        raise ValueError(f"unknown quantization {mode!r}; choose one of {', '.join(QUANTIZATION_MODES)} or None")
+    counts = {"exact": 0, "quantized": 0}
+    int4_source = int4_source or {}
+    for name, child in list(model.named_modules()):
+        for cname, sub in list(child.named_children()):
+            full = f"{name}.{cname}" if name else cname
+            if not isinstance(sub, (nn.Linear, TransposedLinear)) or any(full.startswith(s) for s in skip):
+                continue
+            w, b = _linear_weight(sub), _linear_bias(sub)
+            if mode == "int4" and full != "lm_head" and w.shape[1] % INT4_GROUP == 0:
+                if full in int4_source:
+                    codes, scale, mn = int4_source[full]
+                    counts["exact"] += 1
+                else:
+                    codes, scale, mn = quantize_int4_groupwise(w)
+                    counts["quantized"] += 1
+                new = Int4Linear(codes, scale, mn, INT4_GROUP, b)
+            else:
+                q, s = quantize_int8_per_channel(w)
+                new = Int8Linear(q, s, b)
+                counts["quantized"] += 1
+            setattr(child, cname, new)
+    return counts

@@ -1,0 +1,69 @@
+"""Weight-only quantization: quantized linears equal their dequantized reference, GGUF Q4_1 blocks
+load exactly, speculation on a quantized target is lossless, bad modes are rejected."""
+import numpy as np
+import pytest
+import torch
+
+from helpers import load_cfg, write_eagle3_checkpoint
+from draftwise import LLM, SamplingParams
+from draftwise.layers.quant import (MAX_KERNEL_ROWS, Int4Linear, Int8Linear, quantize_int4_groupwise,
+                                    quantize_int8_per_channel)
+
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [3] * 20, list(range(30, 70)), [7, 7, 7]]
+
+
+@pytest.mark.parametrize("rows", [1, 4, MAX_KERNEL_ROWS, MAX_KERNEL_ROWS + 5])
+def test_quantized_linears_equal_dequantized_reference(rows):
+    torch.manual_seed(0)
+    w = torch.randn(96, 128) * 0.05
+    b = torch.randn(96) * 0.1
+    x = torch.randn(rows, 128)
+    q, s = quantize_int8_per_channel(w)
+    lin8 = Int8Linear(q, s, b)
+    ref8 = x @ (q.float() * s.to(torch.bfloat16).float()[:, None]).t() + b
+    # the kernel path rounds activations and outputs to bf16: relative error ~ 2^-8
+    torch.testing.assert_close(lin8(x), ref8, atol=2e-2, rtol=2e-2)
+    # half a quantization step, plus the bf16 rounding of the scale (up to 127 x 2^-8 of a step)
+    assert bool(((lin8.weight - w).abs() <= s[:, None] * 1.01).all())
+    codes, scale, mn = quantize_int4_groupwise(w, 32)
+    lin4 = Int4Linear(codes, scale, mn, 32, b)
+    deq = lin4.weight
+    torch.testing.assert_close(lin4(x), x @ deq.t() + b, atol=2e-2, rtol=2e-2)
+    assert (deq - w).abs().max() <= scale.max() * 0.6           # half a step, plus bf16 scale/zero
+    # 3-D inputs keep their shape
+    assert lin4(x[None]).shape == (1, rows, 96)
+
+
+def test_q4_1_blocks_decode_exactly():
+    from gguf.quants import GGMLQuantizationType, dequantize, quantize
+    rng = np.random.default_rng(0)
+    w = (rng.standard_normal((8, 64)) * 0.1).astype(np.float32)
+    raw = quantize(w, GGMLQuantizationType.Q4_1)
+    from draftwise.models.gguf_convert import decode_q4_1
+    codes, d, m = decode_q4_1(np.asarray(raw), 8, 64)
+    mine = (codes.reshape(8, 2, 32) * d.astype(np.float32)[..., None] + m.astype(np.float32)[..., None]).reshape(8, 64)
+    np.testing.assert_array_equal(mine, dequantize(raw, GGMLQuantizationType.Q4_1).reshape(8, 64))
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_speculation_on_a_quantized_target_is_lossless(tiny_llama, tmp_path, mode):
+    path, _ = tiny_llama
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    plain = LLM(path, block_size=4, max_model_len=256, quantization=mode)
+    ref = [o.outputs[0].token_ids for o in plain.generate(prompts, GREEDY)]
+    fp32 = [o.outputs[0].token_ids for o in LLM(path, block_size=4, max_model_len=256).generate(prompts, GREEDY)]
+    assert plain.engine.quantization_counts["quantized"] > 0
+    assert ref != [[]] * len(prompts) and len(ref) == len(fp32)
+    ck = write_eagle3_checkpoint(str(tmp_path / "eagle"), load_cfg(path), seed=1)
+    for spec in ({"method": "eagle3", "model": ck, "num_speculative_tokens": 3},
+                 {"method": "ngram", "num_speculative_tokens": 3}):
+        llm = LLM(path, block_size=4, max_model_len=256, quantization=mode, speculative_config=spec)
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)] == ref
+        assert llm.get_metrics()["spec_decode"]["num_drafts"] > 0
+
+
+def test_bad_quantization_is_a_value_error(tiny_llama):
+    path, _ = tiny_llama
+    with pytest.raises(ValueError, match="quantization"):
+        LLM(path, quantization="fp8")
