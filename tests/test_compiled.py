@@ -61,3 +61,19 @@ def test_compiled_eagle3_tree_and_chain_are_lossless(tiny_llama, tmp_path, monke
         assert _ids(llm.generate(prompts, GREEDY)) == ref
         assert all(g.fallbacks == 0 for g in graphs)
         assert all(g.calls > 0 for g in graphs)
+
+
+def test_compiled_quantized_target_equals_eager(tiny_llama, tmp_path, monkeypatch):
+    """The int4 / int8 kernels run inside compiled graphs (no graph break, no fallback) and give the
+    eager quantized model's greedy output."""
+    monkeypatch.setenv("DRAFTWISE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    path, _ = tiny_llama
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    ref = _ids(LLM(path, block_size=4, max_model_len=128, max_num_seqs=4, enforce_eager=True,
+                   quantization="int4").generate(prompts, GREEDY))
+    llm = LLM(path, block_size=4, max_model_len=128, max_num_seqs=4, enforce_eager=False,
+              compile_sizes=(1, 4), quantization="int4")
+    graphs = llm.engine.runner.graphs
+    assert _ids(llm.generate(prompts, GREEDY)) == ref
+    assert all(g.fallbacks == 0 for g in graphs) and all(g.calls > 0 for g in graphs)

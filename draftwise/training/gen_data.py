@@ -43,6 +43,8 @@ class GenDataConfig:
     seed: int = 0
     threads: int | None = None
     enforce_eager: bool = True
+    part: int = 0                        # this process answers prompts i with i % num_parts == part
+    num_parts: int = 1                   # (several single-threaded processes fill one directory)
 
 
 def default_capture_layers(num_layers: int) -> tuple[int, ...]:
@@ -156,13 +158,16 @@ def generate_data(cfg: GenDataConfig, progress: bool = True) -> dict:
     convs = load_gen_prompts(tok, cfg.data, cfg.split)
     if cfg.num_prompts is not None:
         convs = convs[:cfg.num_prompts]
+    if not 0 <= cfg.part < cfg.num_parts:
+        raise ValueError(f"part must be in [0, num_parts), got {cfg.part} of {cfg.num_parts}")
     done = completed_prompts(cfg.out)
-    todo = [i for i in range(len(convs)) if i not in done]
+    todo = [i for i in range(len(convs)) if i not in done and i % cfg.num_parts == cfg.part]
     meta = {"target": cfg.target, "config": {k: (list(v) if isinstance(v, tuple) else v)
                                              for k, v in asdict(cfg).items()}}
     with open(os.path.join(cfg.out, "gen_config.json"), "w") as f:
         json.dump({**meta, "aux_layers": list(layers), "hidden_size": H}, f, indent=2)
-    shard_no = len(shard_paths(cfg.out))
+    prefix = "shard_" if cfg.num_parts == 1 else f"shard_p{cfg.part}-"
+    shard_no = len([p for p in shard_paths(cfg.out) if os.path.basename(p).startswith(prefix)])
     pending: list[ShardSequence] = []
     in_flight: dict[str, tuple[int, list[int]]] = {}
     gen = torch.Generator().manual_seed(cfg.seed)
@@ -175,7 +180,7 @@ def generate_data(cfg: GenDataConfig, progress: bool = True) -> dict:
     def flush():
         nonlocal shard_no, pending
         if pending:
-            write_shard(os.path.join(cfg.out, f"shard_{shard_no:05d}.safetensors"), pending, layers, meta)
+            write_shard(os.path.join(cfg.out, f"{prefix}{shard_no:05d}.safetensors"), pending, layers, meta)
             shard_no += 1
             pending = []
 
