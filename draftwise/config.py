@@ -222,6 +222,8 @@ class EngineConfig:
     compile_sizes: tuple[int, ...] | None = None   # static token buckets; None: (1, 2, 4, 8)
     # weight-only quantization of the target's (and drafter's) linears: None | "int8" | "int4"
     quantization: str | None = None
+    # automatic prefix caching: full KV blocks shared across requests by a hash of their tokens
+    enable_prefix_caching: bool = True
 
     def __post_init__(self):
         if self.enforce_eager is None:

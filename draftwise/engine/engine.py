@@ -223,11 +223,17 @@ class LLMEngine:
                              req.metrics, new_ids, new_text)
 
     # --- stats ----------------------------------------------------------------------------------------
+    def _prefix_cache_stats(self) -> dict:
+        a = self.scheduler.allocator
+        return {"enabled": a.enable_caching, "queries": a.queries, "hits": a.hits,
+                "hit_rate": round(a.hits / a.queries, 4) if a.queries else 0.0, "cached_blocks": a.num_cached}
+
     def get_metrics(self) -> dict:
         d = {"spec_decode": self.spec_stats.as_dict(),
              "spec_decode_by_source": {k: v.as_dict() for k, v in sorted(self.spec_stats_by_source.items())},
              "kv_blocks_used": self.scheduler.allocator.num_used,
              "kv_blocks_total": self.scheduler.allocator.num_blocks,
+             "prefix_cache": self._prefix_cache_stats(),
              "num_running": len(self.scheduler.running), "num_waiting": len(self.scheduler.waiting),
              "num_steps": self.num_steps,
              "step_time_s": dict(self.runner.timer.totals)}

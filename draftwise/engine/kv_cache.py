@@ -43,9 +43,25 @@ class KVCache:
 
 
 class BlockAllocator:
-    def __init__(self, num_blocks: int):
+    """The block pool, with automatic prefix caching (vLLM v1 style).
+
+    Blocks are reference counted. A request's *full* computed blocks are registered under a chained
+    hash of their tokens (`hash((parent_hash, block_tokens))`), so a later request whose prompt
+    starts with the same tokens reuses them (`lookup` + `touch`). A block whose last reference is
+    dropped joins the free queue but keeps its cached contents until it is evicted: allocation takes
+    the least recently freed block first and forgets its hash then. With caching disabled nothing
+    is ever registered and this is a plain free list."""
+
+    def __init__(self, num_blocks: int, enable_caching: bool = False):
+        from collections import OrderedDict
         self.num_blocks = num_blocks
-        self._free = deque(range(num_blocks))
+        self.enable_caching = enable_caching
+        self._free: "OrderedDict[int, None]" = OrderedDict((b, None) for b in range(num_blocks))
+        self.ref = [0] * num_blocks
+        self.block_hash: list[int | None] = [None] * num_blocks
+        self.cached: dict[int, int] = {}          # hash -> block id
+        self.queries = 0                         # prompt tokens looked up
+        self.hits = 0                            # of which found in the cache
 
     @property
     def num_free(self) -> int:
@@ -55,10 +71,66 @@ class BlockAllocator:
     def num_used(self) -> int:
         return self.num_blocks - len(self._free)
 
+    @property
+    def num_cached(self) -> int:
+        return len(self.cached)
+
     def allocate(self, n: int) -> list[int]:
         if n > len(self._free):
             raise RuntimeError("out of KV blocks")
-        return [self._free.popleft() for _ in range(n)]
+        out = []
+        for _ in range(n):
+            b, _ = self._free.popitem(last=False)          # least recently freed first
+            h = self.block_hash[b]
+            if h is not None:                            # evict its cached contents
+                self.block_hash[b] = None
+                if self.cached.get(h) == b:
+                    del self.cached[h]
+            self.ref[b] = 1
+            out.append(b)
+        return out
 
     def free(self, blocks: list[int]) -> None:
-        self._free.extend(blocks)
+        """Drop one reference to each block; the last blocks of a sequence are freed first, so they
+        are evicted before its (more shareable) prefix."""
+        for b in reversed(blocks):
+            self.ref[b] -= 1
+            if self.ref[b] < 0:
+                raise RuntimeError(f"KV block {b} freed more often than allocated")
+            if self.ref[b] == 0:
+                self._free[b] = None
+
+    # --- prefix caching ---------------------------------------------------------------------------
+    def lookup(self, hashes: list[int]) -> list[int]:
+        """Blocks caching the longest prefix of `hashes`."""
+        out = []
+        for h in hashes:
+            b = self.cached.get(h)
+            if b is None:
+                break
+            out.append(b)
+        return out
+
+    def touch(self, blocks: list[int]) -> None:
+        """Take a reference to cached blocks (reviving them from the free queue)."""
+        for b in blocks:
+            if self.ref[b] == 0:
+                del self._free[b]
+            self.ref[b] += 1
+
+    def cache_block(self, block: int, h: int) -> None:
+        if not self.enable_caching or self.block_hash[block] is not None:
+            return
+        self.block_hash[block] = h
+        self.cached.setdefault(h, block)
+
+
+def block_hashes(token_ids: list[int], block_size: int, num_blocks: int, start: int = 0,
+                 parent: int | None = None) -> list[int]:
+    """Chained hashes of full blocks `start .. num_blocks - 1` of `token_ids` (`parent` is the hash of
+    block start - 1)."""
+    out = []
+    for i in range(start, num_blocks):
+        parent = hash((parent, tuple(token_ids[i * block_size:(i + 1) * block_size])))
+        out.append(parent)
+    return out

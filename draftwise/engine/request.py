@@ -31,6 +31,7 @@ class Request:
         self.spec_tree = None                 # tree drafting: the TreeDraft to verify next
         self.spec_source: str | None = None   # which drafter made the pending draft (hybrid drafting)
         self.block_ids: list[int] = []
+        self.block_hashes: list[int] = []     # chained hashes of the full computed blocks (prefix cache)
         self.finish_reason: str | None = None
         self.eos_token_ids = () if params.ignore_eos else tuple(eos_token_ids)
         self.metrics = RequestMetrics(arrival_time=time.time())

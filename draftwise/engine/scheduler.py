@@ -12,7 +12,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from draftwise.config import EngineConfig
-from draftwise.engine.kv_cache import BlockAllocator
+from draftwise.engine.kv_cache import BlockAllocator, block_hashes
 from draftwise.engine.request import Request, RequestStatus
 
 
@@ -52,7 +52,7 @@ class Scheduler:
     def __init__(self, config: EngineConfig, num_blocks: int, num_lookahead_tokens: int = 0):
         self.config = config
         self.block_size = config.block_size
-        self.allocator = BlockAllocator(num_blocks)
+        self.allocator = BlockAllocator(num_blocks, enable_caching=config.enable_prefix_caching)
         self.num_lookahead_tokens = num_lookahead_tokens
         self.max_blocks_per_seq = math.ceil((config.max_model_len + num_lookahead_tokens + 1) / self.block_size)
         self.waiting: deque[Request] = deque()
@@ -86,6 +86,27 @@ class Scheduler:
     def _free(self, req: Request) -> None:
         self.allocator.free(req.block_ids)
         req.block_ids = []
+        req.block_hashes = []
+
+    def _prefix_hits(self, req: Request) -> tuple[list[int], list[int]]:
+        """(cached blocks, their hashes) for the longest cached prefix of a request that has computed
+        nothing yet; at least its last token is left to compute (it yields the first logits)."""
+        if not self.allocator.enable_caching or req.num_computed_tokens:
+            return [], []
+        hashes = block_hashes(req.all_token_ids, self.block_size, (req.num_tokens - 1) // self.block_size)
+        hits = self.allocator.lookup(hashes)
+        return hits, hashes[:len(hits)]
+
+    def _register_full_blocks(self, req: Request, token_ids: list[int]) -> None:
+        """Cache the request's newly full computed blocks under their chained hashes."""
+        n_full = min(req.num_computed_tokens // self.block_size, len(req.block_ids))
+        have = len(req.block_hashes)
+        if not self.allocator.enable_caching or n_full <= have:
+            return
+        new = block_hashes(token_ids, self.block_size, n_full, have, req.block_hashes[-1] if have else None)
+        for i, h in zip(range(have, n_full), new):
+            self.allocator.cache_block(req.block_ids[i], h)
+        req.block_hashes.extend(new)
 
     def _ensure_blocks(self, req: Request, num_tokens: int) -> bool:
         need = min(math.ceil(num_tokens / self.block_size), self.max_blocks_per_seq) - len(req.block_ids)
@@ -142,15 +163,27 @@ class Scheduler:
             return out
         while self.waiting and len(self.running) < self.config.max_num_seqs and budget > 0:
             req = self.waiting[0]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            lookahead = self.num_lookahead_tokens if n >= req.num_tokens else 0
-            if not self._ensure_blocks(req, req.num_computed_tokens + n + lookahead):
+            hits, hashes = self._prefix_hits(req)
+            computed = req.num_computed_tokens + len(hits) * self.block_size
+            n = min(req.num_tokens - computed, budget)
+            lookahead = self.num_lookahead_tokens if computed + n >= req.num_tokens else 0
+            total = min(math.ceil((computed + n + lookahead) / self.block_size), self.max_blocks_per_seq)
+            revived = sum(1 for b in hits if self.allocator.ref[b] == 0)
+            if total - len(req.block_ids) - len(hits) > self.allocator.num_free - revived:
                 break
+            if self.allocator.enable_caching and req.num_computed_tokens == 0:
+                self.allocator.queries += req.num_tokens
+                self.allocator.hits += len(hits) * self.block_size
+            if hits:
+                self.allocator.touch(hits)
+                req.block_ids = hits + req.block_ids
+                req.block_hashes = list(hashes)
+                req.num_computed_tokens = computed
+            self._ensure_blocks(req, computed + n + lookahead)
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            out.scheduled.append(ScheduledRequest(req, req.num_computed_tokens,
-                                                  req.all_token_ids[req.num_computed_tokens:req.num_computed_tokens + n], 0))
+            out.scheduled.append(ScheduledRequest(req, computed, req.all_token_ids[computed:computed + n], 0))
             budget -= n
         return out
 
@@ -162,6 +195,8 @@ class Scheduler:
         if req.is_finished:
             return []
         req.num_computed_tokens = sched.start_pos + sched.num_prefix_tokens + num_accepted
+        if self.allocator.enable_caching:
+            self._register_full_blocks(req, req.all_token_ids + list(new_token_ids))
         req.spec_token_ids = []
         req.spec_tree = None
         appended = []

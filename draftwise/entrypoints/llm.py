@@ -15,14 +15,15 @@ class LLM:
                  max_num_batched_tokens: int | None = None, block_size: int = 16,
                  num_kv_blocks: int | None = None, dtype: str = "float32", device: str = "cpu",
                  seed: int = 0, speculative_config=None, enforce_eager: bool | None = None,
-                 compile_sizes: tuple[int, ...] | None = None, quantization: str | None = None):
+                 compile_sizes: tuple[int, ...] | None = None, quantization: str | None = None,
+                 enable_prefix_caching: bool = True):
         spec = SpeculativeConfig.from_any(speculative_config)
         cfg = EngineConfig(model=model, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                            max_num_batched_tokens=max_num_batched_tokens or max(max_model_len, 512),
                            block_size=block_size, num_kv_blocks=num_kv_blocks, dtype=dtype,
                            device=device, seed=seed, speculative_config=spec,
                            enforce_eager=enforce_eager, compile_sizes=compile_sizes,
-                           quantization=quantization)
+                           quantization=quantization, enable_prefix_caching=enable_prefix_caching)
         self.engine = LLMEngine(cfg)
 
     @property

@@ -1,0 +1,76 @@
+"""Automatic prefix caching: shared full blocks give identical greedy output (target alone and with
+drafters), reference counts return to zero, eviction under a small pool, hashing is chained."""
+import pytest
+
+from helpers import load_cfg, write_eagle3_checkpoint
+from draftwise import LLM, SamplingParams
+from draftwise.engine.kv_cache import BlockAllocator, block_hashes
+
+GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+BASE = list(range(40, 75))                      # 35 tokens: 8 full blocks of 4
+TURNS = [BASE, BASE + [9, 8, 7, 6, 5], BASE[:20] + [1, 2, 3], list(range(100, 130)), BASE + [9, 8]]
+
+
+def _ids(outs):
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def _run_one_by_one(llm, prompts, sp=GREEDY):
+    """Sequential requests (each sees the blocks the earlier ones left in the cache)."""
+    return [llm.generate([{"prompt_token_ids": p}], sp)[0].outputs[0].token_ids for p in prompts]
+
+
+def test_block_hashes_are_chained_and_lookup_takes_the_longest_prefix():
+    a = block_hashes([1, 2, 3, 4, 5, 6, 7, 8], 4, 2)
+    b = block_hashes([9, 9, 9, 9, 5, 6, 7, 8], 4, 2)
+    assert a[1] != b[1]                         # same block tokens, different prefix
+    assert block_hashes([1, 2, 3, 4, 5, 6, 7, 8], 4, 2, start=1, parent=a[0]) == a[1:]
+    pool = BlockAllocator(4, enable_caching=True)
+    x = pool.allocate(2)
+    pool.cache_block(x[0], a[0])
+    pool.cache_block(x[1], a[1])
+    assert pool.lookup(a) == x and pool.lookup(b) == [] and pool.lookup([a[0], b[1]]) == x[:1]
+    pool.free(x)
+    assert pool.num_free == 4 and pool.lookup(a) == x          # freed, still cached
+    pool.touch(x[:1])
+    assert pool.num_free == 3 and pool.ref[x[0]] == 1
+    pool.allocate(3)                                           # evicts every other block, x[1] too
+    assert pool.lookup(a) == x[:1] and pool.num_cached == 1
+
+
+@pytest.mark.parametrize("spec", [None, "eagle3", {"method": "suffix"}, "tree"])
+def test_prefix_hits_give_identical_greedy_output(tiny_llama, tmp_path, spec):
+    path, _ = tiny_llama
+    if spec in ("eagle3", "tree"):
+        ck = write_eagle3_checkpoint(str(tmp_path / "e"), load_cfg(path), seed=2)
+        tree = {"eagle_topk": 2, "eagle_depth": 2} if spec == "tree" else {}
+        spec = {"method": "eagle3", "model": ck, "num_speculative_tokens": 3, **tree}
+    ref = _run_one_by_one(LLM(path, block_size=4, max_model_len=128, enable_prefix_caching=False), TURNS)
+    llm = LLM(path, block_size=4, max_model_len=128, speculative_config=spec)
+    assert _run_one_by_one(llm, TURNS) == ref
+    pc = llm.get_metrics()["prefix_cache"]
+    assert pc["hits"] >= 8 * 4 and 0 < pc["hit_rate"] < 1
+    # every reference was returned: all blocks free (cached or not)
+    alloc = llm.engine.scheduler.allocator
+    assert all(r == 0 for r in alloc.ref) and alloc.num_free == alloc.num_blocks
+    # concurrent requests sharing a prefix that is already cached
+    assert _ids(llm.generate([{"prompt_token_ids": p} for p in TURNS], GREEDY)) == ref
+    assert all(r == 0 for r in alloc.ref)
+
+
+def test_eviction_under_a_small_pool(tiny_llama):
+    path, _ = tiny_llama
+    prompts = [list(range(10 * i, 10 * i + 23)) for i in range(12)] + [list(range(0, 23)) + [5]]
+    ref = _run_one_by_one(LLM(path, block_size=4, max_model_len=64, enable_prefix_caching=False), prompts)
+    llm = LLM(path, block_size=4, max_model_len=64, max_num_seqs=2, num_kv_blocks=24)
+    assert _run_one_by_one(llm, prompts) == ref
+    alloc = llm.engine.scheduler.allocator
+    assert alloc.num_cached <= 24 and all(r == 0 for r in alloc.ref)
+    # the first prompts' blocks were evicted by the later ones: the last prompt (sharing prompt 0's
+    # prefix) finds nothing; a repeat of the previous prompt does
+    before = alloc.hits
+    _run_one_by_one(llm, [prompts[-2] + [1]])
+    assert alloc.hits > before
+    # concurrent requests that do not fit preempt each other; outputs stay the same
+    assert _ids(llm.generate([{"prompt_token_ids": p} for p in prompts[:6]], GREEDY)) == ref[:6]
+    assert all(r == 0 for r in alloc.ref)
