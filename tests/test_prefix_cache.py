@@ -38,13 +38,16 @@ def test_block_hashes_are_chained_and_lookup_takes_the_longest_prefix():
     assert pool.lookup(a) == x[:1] and pool.num_cached == 1
 
 
-@pytest.mark.parametrize("spec", [None, "eagle3", {"method": "suffix"}, "tree"])
+@pytest.mark.parametrize("spec", [None, "eagle3", {"method": "suffix"}, "tree", "dflash"])
 def test_prefix_hits_give_identical_greedy_output(tiny_llama, tmp_path, spec):
     path, _ = tiny_llama
     if spec in ("eagle3", "tree"):
         ck = write_eagle3_checkpoint(str(tmp_path / "e"), load_cfg(path), seed=2)
         tree = {"eagle_topk": 2, "eagle_depth": 2} if spec == "tree" else {}
         spec = {"method": "eagle3", "model": ck, "num_speculative_tokens": 3, **tree}
+    elif spec == "dflash":
+        from helpers import write_dflash_checkpoint
+        spec = {"method": "dflash", "model": write_dflash_checkpoint(str(tmp_path / "d"), load_cfg(path))}
     ref = _run_one_by_one(LLM(path, block_size=4, max_model_len=128, enable_prefix_caching=False), TURNS)
     llm = LLM(path, block_size=4, max_model_len=128, speculative_config=spec)
     assert _run_one_by_one(llm, TURNS) == ref
