@@ -15,11 +15,20 @@ class RequestMetrics(SpecDecodingStats):
 
 
 @dataclass
+class TokenLogprob:
+    """The target's log-probability of an emitted token and its `k` most likely alternatives."""
+    token_id: int
+    logprob: float
+    top_logprobs: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass
 class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
     finish_reason: str | None = None   # "stop" | "length" | "abort" | None while running
+    logprobs: list[TokenLogprob] | None = None   # one per token when SamplingParams.logprobs is set
 
 
 @dataclass
@@ -31,4 +40,5 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     new_token_ids: list[int] = field(default_factory=list)  # produced by the last step (streaming)
+    new_logprobs: list[TokenLogprob] | None = None           # their logprobs (when requested)
     new_text: str = ""

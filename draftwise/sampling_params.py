@@ -15,6 +15,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     speculate: bool = True     # False: this request is decoded without drafts (per-request opt-out)
+    logprobs: int | None = None  # return each token's log-probability and this many top alternatives
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -32,6 +33,9 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
         if self.seed is not None and not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool)
+                                          or not 0 <= self.logprobs <= 20):
+            raise ValueError(f"logprobs must be an integer in [0, 20] or None, got {self.logprobs!r}")
         if not isinstance(self.speculate, bool):
             raise ValueError(f"speculate must be true or false, got {self.speculate!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):

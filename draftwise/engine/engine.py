@@ -151,7 +151,7 @@ class LLMEngine:
         t0 = time.perf_counter()
         outputs = []
         now = time.time()
-        for s, new, acc in zip(sched.scheduled, step.new_token_ids, step.num_accepted):
+        for s, new, acc, lps in zip(sched.scheduled, step.new_token_ids, step.num_accepted, step.logprobs):
             req = s.request
             if not new:                       # an unfinished prefill chunk: only account for it
                 self.scheduler.update(s, [], 0)
@@ -166,10 +166,14 @@ class LLMEngine:
                 if self.policy is not None:
                     self.policy.observe_acceptance(s.num_draft_tokens, acc)
             appended = self.scheduler.update(s, new, acc)
+            new_lps = None
+            if lps is not None:
+                new_lps = lps[:len(appended)]
+                req.logprobs.extend(new_lps)
             new_text = self._detokenize(req)
             if req.is_finished:
                 req.metrics.finished_time = now
-            outputs.append(self._make_output(req, appended, new_text))
+            outputs.append(self._make_output(req, appended, new_text, new_lps))
         t1 = time.perf_counter()
         k = self.num_spec_tokens
         if self.policy is not None:
@@ -217,10 +221,11 @@ class LLMEngine:
         req.text = text
         return text[len(old):] if text.startswith(old) else text
 
-    def _make_output(self, req: Request, new_ids: list[int], new_text: str) -> RequestOutput:
-        comp = CompletionOutput(0, req.text, list(req.output_token_ids), req.finish_reason)
+    def _make_output(self, req: Request, new_ids: list[int], new_text: str, new_lps=None) -> RequestOutput:
+        lps = list(req.logprobs) if req.params.logprobs is not None else None
+        comp = CompletionOutput(0, req.text, list(req.output_token_ids), req.finish_reason, lps)
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [comp], req.is_finished,
-                             req.metrics, new_ids, new_text)
+                             req.metrics, new_token_ids=new_ids, new_text=new_text, new_logprobs=new_lps)
 
     # --- stats ----------------------------------------------------------------------------------------
     def _prefix_cache_stats(self) -> dict:

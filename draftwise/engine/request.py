@@ -36,6 +36,7 @@ class Request:
         self.eos_token_ids = () if params.ignore_eos else tuple(eos_token_ids)
         self.metrics = RequestMetrics(arrival_time=time.time())
         self.text = ""                        # detokenized output (maintained by the engine)
+        self.logprobs: list = []              # TokenLogprob per output token (when requested)
         self.generator: torch.Generator | None = None
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed)

@@ -32,6 +32,7 @@ class StepOutput:
     block_tables: torch.Tensor
     query_start: list[int]
     accepted_rows: list[list[int]] = field(default_factory=list)  # tree: rows of the accepted path
+    logprobs: list = field(default_factory=list)   # per request: TokenLogprob per new token, or None
 
 
 class StepTimer:
@@ -205,13 +206,52 @@ class ModelRunner:
             else:
                 step_new.append(toks)
                 step_acc.append(len(toks) - 1)
+        logprobs = self._logprobs(scheds, step_new, output.logits, num_draft)
         self.timer.add("prepare", t1 - t0)
         self.timer.add("target_forward", t2 - t1)
         self.timer.add("sampling", t3 - t2)
         self.timer.steps += 1
         starts = [0] + cu[:-1]
         return StepOutput(out, step_new, step_acc, input_ids, positions, output.aux_hidden_states,
-                          block_tables, starts, accepted_rows)
+                          block_tables, starts, accepted_rows, logprobs)
+
+    def _logprobs(self, scheds, new_tokens, logits, num_draft) -> list:
+        """Log-probabilities (raw target distribution, before temperature / top-k / top-p) of each
+        emitted token, plus the top `params.logprobs` alternatives, for requests that ask for them.
+        Token i of a step is scored by the verification row that predicted it: row i of a chain, the
+        row of its parent node in a tree - the same distribution plain decoding computes."""
+        from draftwise.outputs import TokenLogprob
+        out: list = [None] * len(scheds)
+        want = [i for i, s in enumerate(scheds) if s.request.params.logprobs is not None and new_tokens[i]]
+        if not want:
+            return out
+        offs = [0]
+        for n in num_draft:
+            offs.append(offs[-1] + n + 1)
+        rows, toks, spans = [], [], []
+        for i in want:
+            s, new = scheds[i], new_tokens[i]
+            if s.tree is not None:
+                src, node = [0], 0              # follow the emitted tokens down the tree
+                children = s.tree.children()
+                for t in new[:-1]:
+                    node = next(c for c in children[node] if s.tree.token_ids[c] == t)
+                    src.append(node)
+            else:
+                src = list(range(len(new)))
+            spans.append((len(rows), len(new)))
+            rows.extend(offs[i] + j for j in src)
+            toks.extend(new)
+        lp = torch.log_softmax(logits[torch.tensor(rows, device=logits.device)].float(), -1)
+        chosen = lp.gather(1, torch.tensor(toks, device=lp.device)[:, None])[:, 0].tolist()
+        k = max(scheds[i].request.params.logprobs for i in want)
+        top_v, top_i = (lp.topk(k, -1) if k > 0 else (lp[:, :0], lp[:, :0].long()))
+        top_v, top_i = top_v.tolist(), top_i.tolist()
+        for i, (a, n) in zip(want, spans):
+            kk = scheds[i].request.params.logprobs
+            out[i] = [TokenLogprob(toks[a + j], chosen[a + j],
+                                   list(zip(top_i[a + j][:kk], top_v[a + j][:kk]))) for j in range(n)]
+        return out
 
     def _tree_verify_mask(self, scheds, max_q) -> torch.Tensor:
         """Per request [max_q, max_q]: prefix rows causal; tree rows see the prefix and their ancestors."""
