@@ -21,7 +21,7 @@ from conftest import make_tiny_hf  # noqa: E402
 from tokenizer_util import add_tiny_tokenizer  # noqa: E402
 
 from draftwise import LLM, SamplingParams  # noqa: E402
-from draftwise.entrypoints.openai_server import build_app  # noqa: E402
+from draftwise.entrypoints.openai.api_server import build_app  # noqa: E402
 
 MAX_LEN = 256
 NAME = "tiny-test"
@@ -408,3 +408,38 @@ def test_load_bench_smoke(server):
     assert res["completed"] == 2 and res["completion_tokens"] == 6
     with pytest.raises(ValueError, match="loopback"):
         run_load_test("http://example.com:8000", num_requests=1)
+
+
+def test_logprobs_usage_spec_metrics_and_opt_out_over_http(server, client, offline):
+    """logprobs over HTTP equal the offline engine's (which equal plain decoding's); usage carries the
+    request's speculative-decoding counters; `speculate: false` decodes without drafts."""
+    prompt = "Hello world hello world hello world hello"
+    ref = offline.generate([prompt], greedy(12, logprobs=2, ignore_eos=True))[0].outputs[0]
+    r = client.completions.create(model=NAME, prompt=prompt, max_tokens=12, temperature=0, logprobs=2,
+                                  extra_body={"ignore_eos": True})
+    lp = r.choices[0].logprobs
+    assert lp.token_logprobs == pytest.approx([t.logprob for t in ref.logprobs], abs=1e-4)
+    assert [len(t) for t in lp.top_logprobs] == [2] * 12
+    spec = r.usage.model_extra["spec_decode"]
+    assert spec["num_drafts"] > 0 and spec["mean_acceptance_length"] >= 1.0
+    chat = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": prompt}], max_tokens=6,
+                                          temperature=0, logprobs=True, top_logprobs=3)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens and all(len(c.top_logprobs) == 3 for c in content)
+    # streaming: the chunks' logprobs are the same sequence
+    chunks = client.completions.create(model=NAME, prompt=prompt, max_tokens=12, temperature=0, logprobs=2,
+                                       stream=True, extra_body={"ignore_eos": True})
+    streamed = [v for c in chunks if c.choices and c.choices[0].logprobs
+                for v in c.choices[0].logprobs.token_logprobs]
+    assert streamed == pytest.approx(lp.token_logprobs, abs=1e-4)
+    off = client.completions.create(model=NAME, prompt=prompt, max_tokens=12, temperature=0,
+                                    extra_body={"ignore_eos": True, "speculate": False})
+    assert off.choices[0].text == r.choices[0].text and off.usage.model_extra.get("spec_decode") is None
+
+
+def test_prefix_cache_hits_in_metrics(server, client):
+    long = "A paged key value cache stores attention state in fixed size blocks. " * 3
+    for _ in range(2):
+        client.completions.create(model=NAME, prompt=long, max_tokens=2, temperature=0)
+    m = scrape(server.url)
+    assert m["draftwise_prefix_cache_hits_total"] > 0 and 0 < m["draftwise_prefix_cache_hit_rate"] <= 1

@@ -9,13 +9,14 @@ import time
 
 from draftwise.models.loader import DEFAULT_MODEL
 
-DEFAULT_SPEC = '{"method": "eagle3", "num_speculative_tokens": 3}'
+DEFAULT_SPEC = "auto"       # the configuration measured fastest on the default model (entrypoints/llm.py)
 
 
 def _engine_args(p: argparse.ArgumentParser, spec_default: str | None = DEFAULT_SPEC) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL, help="HF directory, .gguf file or packaged model name")
     p.add_argument("--speculative-config", default=spec_default,
-                   help="JSON, e.g. '{\"method\": \"eagle3\", \"num_speculative_tokens\": 3}'; 'none' to disable")
+                   help="'auto' (default: measured fastest, adaptive), 'none', or JSON, e.g. "
+                        "'{\"method\": \"suffix\"}'")
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--max-num-seqs", type=int, default=16)
     p.add_argument("--block-size", type=int, default=16)
@@ -46,6 +47,8 @@ def _compile_sizes(s: str | None):
 def _spec_from_arg(s: str | None):
     if s is None or s.strip().lower() in ("", "none", "null"):
         return None
+    if s.strip().lower() == "auto":
+        return "auto"
     try:
         spec = json.loads(s)
     except json.JSONDecodeError as e:
@@ -145,7 +148,7 @@ def cmd_chat(args) -> int:
 
 
 def cmd_serve(args) -> int:
-    from draftwise.entrypoints.openai_server import run_server
+    from draftwise.entrypoints.openai.api_server import run_server
     return run_server(args) or 0
 
 
@@ -196,7 +199,7 @@ def make_parser() -> argparse.ArgumentParser:
     c.set_defaults(func=cmd_chat)
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
-    from draftwise.entrypoints.openai_server import add_serve_args
+    from draftwise.entrypoints.openai.api_server import add_serve_args
     add_serve_args(s)
     s.set_defaults(func=cmd_serve)
 

@@ -9,14 +9,41 @@ from draftwise.models.loader import DEFAULT_MODEL
 from draftwise.outputs import RequestOutput
 from draftwise.sampling_params import SamplingParams
 
+# The default speculative configuration ("auto"): the one measured fastest on the default model
+# (README, "Choosing the default"), with the adaptive policy on so that speculation falls back to
+# plain decoding where it cannot pay. Targets without a shipped drafter get training-free suffix
+# decoding.
+DEFAULT_WITH_DRAFTER = {"method": "eagle3", "num_speculative_tokens": 3, "hybrid": "suffix", "adaptive": True}
+DEFAULT_TRAINING_FREE = {"method": "suffix", "adaptive": True}
+
+
+def default_speculative_config(model: str) -> dict:
+    """DEFAULT_WITH_DRAFTER when draftwise ships a drafter of that method for `model`, else
+    DEFAULT_TRAINING_FREE (decided from the config alone, without loading weights)."""
+    try:
+        from draftwise.config import ModelConfig
+        from draftwise.models.loader import read_config_json, resolve_model_dir
+        from draftwise.spec_decode.factory import shipped_drafter
+        path = resolve_model_dir(model)
+        cfg = ModelConfig.from_hf_dict(read_config_json(path))
+        if shipped_drafter(path, cfg, DEFAULT_WITH_DRAFTER["method"]) is not None:
+            return dict(DEFAULT_WITH_DRAFTER)
+    except ValueError:
+        pass                            # LLM() reports a bad model path itself
+    return dict(DEFAULT_TRAINING_FREE)
+
 
 class LLM:
+    """`speculative_config`: "auto" (default: see DEFAULT_WITH_DRAFTER), None (plain decoding), or a
+    dict / JSON string (SpeculativeConfig's keys)."""
     def __init__(self, model: str = DEFAULT_MODEL, *, max_model_len: int = 2048, max_num_seqs: int = 16,
                  max_num_batched_tokens: int | None = None, block_size: int = 16,
                  num_kv_blocks: int | None = None, dtype: str = "float32", device: str = "cpu",
-                 seed: int = 0, speculative_config=None, enforce_eager: bool | None = None,
+                 seed: int = 0, speculative_config="auto", enforce_eager: bool | None = None,
                  compile_sizes: tuple[int, ...] | None = None, quantization: str | None = None,
                  enable_prefix_caching: bool = True):
+        if isinstance(speculative_config, str) and speculative_config.strip().lower() == "auto":
+            speculative_config = default_speculative_config(model)
         spec = SpeculativeConfig.from_any(speculative_config)
         cfg = EngineConfig(model=model, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                            max_num_batched_tokens=max_num_batched_tokens or max(max_model_len, 512),

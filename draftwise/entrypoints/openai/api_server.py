@@ -1,0 +1,425 @@
+"""The FastAPI app of the OpenAI-compatible server, and `draftwise serve`.
+
+    draftwise serve --model HuggingFaceTB/SmolLM2-135M-Instruct --port 8000
+
+Endpoints: POST /v1/completions, POST /v1/chat/completions (both with `stream: true` as
+server-sent events ending in `data: [DONE]`), GET /v1/models, GET /health, GET /metrics
+(Prometheus text), GET /openapi.json (the request/response models of protocol.py).
+
+Every malformed request is a 4xx with OpenAI's error shape ({"error": {message, type, param,
+code}}), never a 500: pydantic validation errors are mapped to 400 naming the field. A client
+that disconnects aborts its request (its KV blocks are freed at once). SIGTERM: new /v1 requests
+get 503, running ones finish within --shutdown-timeout seconds, then the engine thread stops."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import os
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import Request
+
+from draftwise.entrypoints.openai import protocol as P
+from draftwise.entrypoints.openai.serving import (COMPLETION_DEFAULT_MAX_TOKENS, APIError, EngineLoop,
+                                                  ServerMetrics, Submission, TextDelta, TokenStrings,
+                                                  chat_logprobs, chat_messages, completion_logprobs,
+                                                  finish_reason, full_response, sampling_kwargs, sse, usage)
+
+logger = logging.getLogger("draftwise.serve")
+
+ERRORS = {400: {"model": P.ErrorResponse}, 401: {"model": P.ErrorResponse}, 503: {"model": P.ErrorResponse}}
+_TYPE_ERRORS = ("int_type", "string_type", "bool_type", "float_type", "list_type", "dict_type", "model_type",
+                "int_parsing", "float_parsing", "literal_error", "model_attributes_type", "union_tag_invalid")
+
+
+def _error_response(err: APIError):
+    from fastapi.responses import JSONResponse
+    return JSONResponse(err.body(), status_code=err.status)
+
+
+def validation_error(errors: list[dict]) -> APIError:
+    """The first pydantic error of a request body as an OpenAI-style 400 naming the field."""
+    e = errors[0] if errors else {"type": "value_error", "loc": ("body",), "msg": "invalid request"}
+    parts = []
+    for p in e.get("loc", ())[1:]:
+        if isinstance(p, int):
+            parts.append(f"[{p}]")
+        elif isinstance(p, str) and p.isidentifier() and p not in ("str", "int", "float", "bool", "list", "dict"):
+            parts.append(("." if parts else "") + p)
+    param = "".join(parts) or None
+    kind = e.get("type", "")
+    msg = str(e.get("msg", "invalid value")).removeprefix("Value error, ")
+    if kind == "json_invalid":
+        return APIError(f"We could not parse the JSON body of your request ({e.get('ctx', {}).get('error', msg)}).",
+                        code="invalid_json")
+    if param is None:
+        return APIError("the request body must be a JSON object" if kind in _TYPE_ERRORS or kind == "missing"
+                        else msg, code="invalid_json" if kind in _TYPE_ERRORS else "invalid_value")
+    if kind == "missing":
+        return APIError(f"you must provide '{param}'", param=param, code="missing_required_parameter")
+    code = "invalid_type" if kind in _TYPE_ERRORS else "invalid_value"
+    return APIError(f"'{param}': {msg}", param=param, code=code)
+
+
+class _Gate:
+    """Pure ASGI middleware: API-key check and draining (503) for /v1/*; /health and /metrics stay open."""
+
+    def __init__(self, app, state: "ServerState"):
+        self.app = app
+        self.state = state
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and (scope["path"] == "/v1" or scope["path"].startswith("/v1/")):
+            st = self.state
+            err = None
+            if st.draining:
+                err, outcome = APIError("the server is shutting down", 503, type="server_error",
+                                        code="shutting_down"), "unavailable"
+            elif st.api_key is not None and not _auth_ok(scope, st.api_key):
+                err, outcome = APIError("Incorrect or missing API key: send 'Authorization: Bearer KEY'.",
+                                        401, code="invalid_api_key"), "unauthorized"
+            if err is not None:
+                st.metrics.requests.labels(outcome=outcome).inc()
+                resp = _error_response(err)
+                if err.status == 401:
+                    resp.headers["WWW-Authenticate"] = "Bearer"
+                await resp(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def _auth_ok(scope, api_key: str) -> bool:
+    for k, v in scope.get("headers", ()):
+        if k == b"authorization":
+            val = v.decode("latin-1").strip()
+            if val[:7].lower() == "bearer ":
+                return hmac.compare_digest(val[7:].strip().encode(), api_key.encode())
+            return False
+    return False
+
+
+@dataclass
+class ServerState:
+    llm: Any
+    served_model_name: str
+    api_key: str | None
+    metrics: ServerMetrics
+    engine_loop: EngineLoop
+    draining: bool = False
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+def build_app(llm, served_model_name: str, api_key: str | None = None):
+    """The FastAPI app serving `llm` (an `LLM`) under the name `served_model_name`. The engine thread
+    starts with the app's lifespan (so run it under uvicorn or `with TestClient(app)`)."""
+    from fastapi import FastAPI
+    from fastapi.exceptions import RequestValidationError
+    from fastapi.responses import JSONResponse, Response
+    from starlette.exceptions import HTTPException as StarletteHTTPException
+
+    SSEResponse = _sse_response_class()
+    metrics = ServerMetrics()
+    state = ServerState(llm, served_model_name, api_key or None, metrics, EngineLoop(llm, metrics))
+    strings = TokenStrings(llm.engine.tokenizer)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        state.engine_loop.start()
+        logger.info("serving %r (max_model_len=%d)", served_model_name, llm.engine.config.max_model_len)
+        try:
+            yield
+        finally:
+            state.draining = True
+            await asyncio.to_thread(state.engine_loop.stop)
+
+    app = FastAPI(title="draftwise OpenAI-compatible server", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.server = state
+    app.add_middleware(_Gate, state=state)
+
+    @app.exception_handler(APIError)
+    async def _api_error(request, exc: APIError):
+        return _error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request, exc: RequestValidationError):
+        metrics.requests.labels(outcome="rejected").inc()
+        return _error_response(validation_error(list(exc.errors())))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request, exc: StarletteHTTPException):
+        err = APIError(str(exc.detail), exc.status_code,
+                       code="not_found" if exc.status_code == 404 else None)
+        return _error_response(err)
+
+    # --- plain endpoints --------------------------------------------------------------------------
+    @app.get("/health", response_model=P.HealthStatus, responses={503: {"model": P.HealthStatus}})
+    async def health():
+        if not state.engine_loop.alive:
+            return JSONResponse({"status": "engine not running"}, status_code=503)
+        if state.draining:
+            return JSONResponse({"status": "shutting down"}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/metrics", response_class=Response)
+    async def prometheus_metrics():
+        data, ctype = metrics.render()
+        return Response(content=data, media_type=ctype)
+
+    @app.get("/v1/models", response_model=P.ModelList, responses=ERRORS)
+    async def models():
+        return P.ModelList(data=[P.ModelCard(id=served_model_name, created=state.created,
+                                             max_model_len=llm.engine.config.max_model_len)])
+
+    # --- generation -------------------------------------------------------------------------------
+    def _check_model(model: str | None) -> str:
+        if model is not None and model != served_model_name:
+            raise APIError(f"The model '{model}' does not exist; this server serves '{served_model_name}'.",
+                           param="model", code="model_not_found")
+        return served_model_name
+
+    async def _generate(request: Request, body: P.SamplingRequest, chat: bool):
+        try:
+            model = _check_model(body.model)
+            if chat:
+                messages, prompt = chat_messages(body), None
+            else:
+                messages, prompt = None, body.single_prompt()
+            sampling = sampling_kwargs(body, chat)
+        except APIError:
+            metrics.requests.labels(outcome="rejected").inc()
+            raise
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        sub = Submission(rid, prompt, messages, sampling, None if chat else COMPLETION_DEFAULT_MAX_TOKENS,
+                         asyncio.get_running_loop(), asyncio.Queue())
+        created = int(time.time())
+        done = False
+        try:
+            q = await state.engine_loop.submit(sub)     # APIError (400/500/503) propagates
+            if body.stream:
+                done = True            # the response owns the request from here (aborts it if cut short)
+                return SSEResponse(_stream_events(q, rid, model, created, chat, include_usage, sampling["stop"]),
+                                   on_abort=lambda: state.engine_loop.abort(rid))
+            final = await _wait_final(request, q)
+            done = True
+            return full_response(final, rid, model, created, chat, strings)
+        finally:
+            if not done:
+                state.engine_loop.abort(rid)
+
+    async def _stream_events(q, rid, model, created, chat, include_usage, stop):
+        delta = TextDelta(stop)
+        sent = 0                                  # logprobs already streamed
+        offset = 0
+
+        def chunk(text: str | None, finish=None, lps=None, role=None):
+            nonlocal offset
+            if chat:
+                c = P.ChatStreamChoice(index=0, delta=P.DeltaMessage(role=role, content=text),
+                                       logprobs=chat_logprobs(lps, strings), finish_reason=finish)
+                return sse(P.ChatCompletionStreamResponse(id=rid, created=created, model=model, choices=[c]))
+            c = P.CompletionChoice(index=0, text=text or "", logprobs=completion_logprobs(lps, strings, offset),
+                                   finish_reason=finish)
+            offset += len(text or "")
+            return sse(P.CompletionStreamResponse(id=rid, created=created, model=model, choices=[c]))
+
+        if chat:
+            yield chunk("", role="assistant")
+        while True:
+            kind, payload = await q.get()
+            if kind == "error":
+                yield sse(payload.body())
+                break
+            out = payload
+            comp = out.outputs[0]
+            d = delta.update(comp.text, out.finished)
+            lps = None
+            if comp.logprobs is not None:
+                lps, sent = comp.logprobs[sent:], len(comp.logprobs)
+            if out.finished:
+                fr = finish_reason(comp.finish_reason)
+                if chat and (d or lps):
+                    yield chunk(d, lps=lps)
+                    lps = None
+                yield chunk(None if chat else d, fr, lps=None if chat else lps)
+                if include_usage:
+                    cls = P.ChatCompletionStreamResponse if chat else P.CompletionStreamResponse
+                    yield sse(cls(id=rid, created=created, model=model, choices=[], usage=usage(out)))
+                yield _FINISHED
+                break
+            if d or lps:
+                yield chunk(d, lps=lps)
+        yield "data: [DONE]\n\n"
+
+    @app.post("/v1/completions", response_model=P.CompletionResponse, responses=ERRORS)
+    async def completions(body: P.CompletionRequest, request: Request):
+        return await _generate(request, body, chat=False)
+
+    @app.post("/v1/chat/completions", response_model=P.ChatCompletionResponse, responses=ERRORS)
+    async def chat_completions(body: P.ChatCompletionRequest, request: Request):
+        return await _generate(request, body, chat=True)
+
+    return app
+
+
+def _sse_response_class():
+    """A text/event-stream StreamingResponse that aborts its request when the client goes away before
+    the end (whether Starlette notices through `http.disconnect` or through a failing send)."""
+    from fastapi.responses import StreamingResponse
+
+    class SSEResponse(StreamingResponse):
+        def __init__(self, events, on_abort):
+            self.finished = False
+            self._events = events
+            self._on_abort = on_abort
+            super().__init__(self._body(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+        async def _body(self):
+            async for ev in self._events:
+                if ev == _FINISHED:
+                    self.finished = True
+                    continue
+                yield ev
+
+        async def __call__(self, scope, receive, send):
+            try:
+                await super().__call__(scope, receive, send)
+            finally:
+                with contextlib.suppress(Exception):
+                    await self._events.aclose()
+                if not self.finished:
+                    self._on_abort()
+
+    return SSEResponse
+
+
+_FINISHED = "__FINISHED__"
+
+
+async def _wait_final(request, q: asyncio.Queue):
+    """Wait for the finished output of a non-streaming request; raises if the client goes away first
+    (the caller then aborts the request)."""
+    gone = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        while True:
+            get = asyncio.ensure_future(q.get())
+            await asyncio.wait({get, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if not get.done():
+                get.cancel()
+                raise APIError("client disconnected", 499, code="client_disconnected")
+            kind, payload = get.result()
+            if kind == "error":
+                raise payload
+            if payload.finished:
+                return payload
+    finally:
+        gone.cancel()
+
+
+async def _wait_disconnect(request) -> None:
+    """Returns when the ASGI server reports `http.disconnect` (the body has been read already)."""
+    while True:
+        msg = await request.receive()
+        if msg["type"] == "http.disconnect":
+            return
+
+
+# ---------------------------------------------------------------------------------------------------
+# CLI
+# ---------------------------------------------------------------------------------------------------
+def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    from draftwise.models.loader import DEFAULT_MODEL
+    parser.add_argument("--model", default=DEFAULT_MODEL,
+                        help="HF directory, .gguf file or packaged model name (default: %(default)s)")
+    parser.add_argument("--speculative-config", default=None, metavar="JSON",
+                        help="JSON speculative config, or 'none' (default: the configuration measured fastest "
+                             "for the default model, see the README)")
+    parser.add_argument("--host", default="127.0.0.1", help="bind address (default: 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
+    parser.add_argument("--api-key", default=None,
+                        help="require 'Authorization: Bearer KEY' (or set DRAFTWISE_API_KEY)")
+    parser.add_argument("--max-model-len", type=int, default=None, help="context length (default: 2048)")
+    parser.add_argument("--max-num-seqs", type=int, default=None, help="max requests per batch (default: 16)")
+    parser.add_argument("--served-model-name", default=None, help="model id clients send (default: --model)")
+    parser.add_argument("--seed", type=int, default=0, help="engine seed (default: 0)")
+    parser.add_argument("--dtype", default=None, help="float32 (default), bfloat16, float16")
+    parser.add_argument("--quantization", default=None, choices=["int8", "int4"],
+                        help="weight-only quantization of the target's linears (default: none)")
+    parser.add_argument("--no-prefix-caching", action="store_true", help="disable automatic prefix caching")
+    parser.add_argument("--enforce-eager", action="store_true",
+                        help="no compiled graphs (faster start-up, slower steps)")
+    parser.add_argument("--shutdown-timeout", type=float, default=30.0,
+                        help="seconds running requests get to finish on SIGTERM (default: 30)")
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    return parser
+
+
+def build_llm(args):
+    """The `LLM` for `args`: the default speculative configuration unless one is given."""
+    from draftwise.entrypoints.llm import LLM, default_speculative_config
+    kw = {"seed": args.seed}
+    if args.max_model_len is not None:
+        kw["max_model_len"] = args.max_model_len
+    if args.max_num_seqs is not None:
+        kw["max_num_seqs"] = args.max_num_seqs
+    if getattr(args, "dtype", None):
+        kw["dtype"] = args.dtype
+    if getattr(args, "enforce_eager", False):
+        kw["enforce_eager"] = True
+    if getattr(args, "quantization", None):
+        kw["quantization"] = args.quantization
+    if getattr(args, "no_prefix_caching", False):
+        kw["enable_prefix_caching"] = False
+    spec_arg = args.speculative_config
+    if spec_arg is not None and spec_arg.strip().lower() in ("none", "null", ""):
+        return LLM(args.model, speculative_config=None, **kw)
+    if spec_arg is not None:
+        return LLM(args.model, speculative_config=spec_arg, **kw)
+    return LLM(args.model, speculative_config=default_speculative_config(args.model), **kw)
+
+
+def run_server(args) -> None:
+    import uvicorn
+    logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.INFO),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    api_key = args.api_key or os.environ.get("DRAFTWISE_API_KEY") or None
+    llm = build_llm(args)
+    name = args.served_model_name or args.model
+    app = build_app(llm, name, api_key=api_key)
+    state: ServerState = app.state.server
+
+    class _Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):
+            if not state.draining:
+                logger.info("signal %s: refusing new requests, finishing running ones (up to %.0fs)",
+                            sig, args.shutdown_timeout)
+            state.draining = True
+            super().handle_exit(sig, frame)
+            # a graceful stop is a clean exit: do not let uvicorn re-raise the signal afterwards
+            captured = getattr(self, "_captured_signals", None)
+            if isinstance(captured, list):
+                captured.clear()
+
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            timeout_graceful_shutdown=args.shutdown_timeout)
+    if api_key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
+        logger.warning("serving on %s without an API key", args.host)
+    _Server(config).run()
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="draftwise serve", description="OpenAI-compatible server")
+    add_serve_args(parser)
+    run_server(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()

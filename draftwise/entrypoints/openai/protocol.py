@@ -1,0 +1,277 @@
+"""The OpenAI-compatible API as pydantic models (as vLLM's `protocol.py`): request validation is
+declarative, and `/openapi.json` describes the real API.
+
+Strict types: a string where a number is expected is an error, not a coercion. Fields the engine
+does not support are accepted only at their neutral value (n = 1, penalties 0, no logit_bias, no
+echo) and otherwise rejected with a message that says so. Extensions (as in vLLM): `top_k`,
+`ignore_eos`; draftwise's own: `speculate` (false: decode this request without drafts). Responses
+carry `usage.spec_decode`, the request's own speculative-decoding counters."""
+from __future__ import annotations
+
+import time
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, field_validator
+
+Number = StrictFloat | StrictInt
+TokenIds = Annotated[list[Annotated[StrictInt, Field(ge=0)]], Field(min_length=1)]
+
+
+class OpenAIModel(BaseModel):
+    model_config = ConfigDict(extra="allow")       # unknown fields are ignored, as OpenAI's API does
+
+
+# --- errors -----------------------------------------------------------------------------------------
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo
+
+
+# --- requests ---------------------------------------------------------------------------------------
+class StreamOptions(OpenAIModel):
+    include_usage: StrictBool = False
+
+
+class SamplingRequest(OpenAIModel):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+    model: StrictStr | None = None
+    max_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
+    temperature: Annotated[Number, Field(ge=0)] = 1.0
+    top_p: Annotated[Number, Field(gt=0, le=1)] = 1.0
+    top_k: Annotated[StrictInt, Field(ge=-1)] = -1
+    seed: StrictInt | None = None
+    stop: StrictStr | list[StrictStr] | None = None
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    n: StrictInt = 1
+    presence_penalty: Number = 0
+    frequency_penalty: Number = 0
+    logit_bias: dict[str, Number] | None = None
+    user: StrictStr | None = None
+    ignore_eos: StrictBool = False
+    speculate: StrictBool = True
+
+    @field_validator("n")
+    @classmethod
+    def _one_choice(cls, v):
+        if v != 1:
+            raise ValueError("only n=1 is supported")
+        return v
+
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _no_penalty(cls, v):
+        if v != 0:
+            raise ValueError("penalties are not supported (only 0)")
+        return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_bias(cls, v):
+        if v:
+            raise ValueError("logit_bias is not supported")
+        return v
+
+    @field_validator("stop")
+    @classmethod
+    def _stops_non_empty(cls, v):
+        if isinstance(v, list) and any(not s for s in v) or v == "":
+            raise ValueError("stop strings must not be empty")
+        return v
+
+    def stop_list(self) -> list[str] | None:
+        return [self.stop] if isinstance(self.stop, str) else self.stop
+
+
+class CompletionRequest(SamplingRequest):
+    prompt: Annotated[StrictStr, Field(min_length=1)] | TokenIds | Annotated[
+        list[Annotated[StrictStr, Field(min_length=1)] | TokenIds], Field(min_length=1, max_length=1)]
+    logprobs: Annotated[StrictInt, Field(ge=0, le=20)] | None = None
+    echo: StrictBool = False
+    suffix: StrictStr | None = None
+    best_of: StrictInt = 1
+
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, v):
+        if v:
+            raise ValueError("echo is not supported")
+        return v
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, v):
+        if v:
+            raise ValueError("suffix is not supported")
+        return v
+
+    @field_validator("best_of")
+    @classmethod
+    def _one_best(cls, v):
+        if v != 1:
+            raise ValueError("only best_of=1 is supported")
+        return v
+
+    def single_prompt(self) -> str | list[int]:
+        p = self.prompt
+        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
+            return p[0]                              # a batch of one
+        return p
+
+
+class TextPart(OpenAIModel):
+    type: Literal["text"]
+    text: StrictStr
+
+
+class ChatMessage(OpenAIModel):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: StrictStr | list[TextPart] | None = None
+    name: StrictStr | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            if self.role != "assistant":
+                raise ValueError(f"a {self.role} message needs content")
+            return ""
+        if isinstance(self.content, list):
+            return "".join(p.text for p in self.content)
+        return self.content
+
+
+class ChatCompletionRequest(SamplingRequest):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
+    logprobs: StrictBool = False
+    top_logprobs: Annotated[StrictInt, Field(ge=0, le=20)] | None = None
+
+    def num_logprobs(self) -> int | None:
+        if not self.logprobs:
+            return None
+        return self.top_logprobs or 0
+
+
+# --- responses --------------------------------------------------------------------------------------
+class SpecDecodeUsage(BaseModel):
+    num_drafts: int
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    mean_acceptance_length: float
+
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    spec_decode: SpecDecodeUsage | None = None
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]] | None
+    text_offset: list[int]
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: Literal["stop", "length"] | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None
+
+
+class ChatResponseMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatCompletionChoice(BaseModel):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: Literal["stop", "length"] | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatCompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class DeltaMessage(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatStreamChoice(BaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: Literal["stop", "length"] | None = None
+
+
+class ChatCompletionStreamResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: UsageInfo | None = None
+
+
+class CompletionStreamResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "draftwise"
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class HealthStatus(BaseModel):
+    status: str

@@ -1,0 +1,517 @@
+"""Serving logic of the OpenAI-compatible server: the engine thread, request -> SamplingParams,
+output -> response objects (logprobs, usage with per-request speculative-decoding counters), and
+the Prometheus metrics.
+
+One engine thread owns the `LLMEngine` and is the only caller of add_request / step / abort_request.
+HTTP handlers (on the asyncio loop) put a submission on a thread-safe inbox and await a per-request
+`asyncio.Queue`; the engine thread drains the inbox, runs `engine.step()` while there is work
+(continuous batching across every connection) and hands each step's outputs back with
+`loop.call_soon_threadsafe`."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from draftwise.entrypoints.openai import protocol as P
+
+logger = logging.getLogger("draftwise.serve")
+
+COMPLETION_DEFAULT_MAX_TOKENS = 16        # OpenAI's default for /v1/completions
+
+
+# ---------------------------------------------------------------------------------------------------
+# errors
+# ---------------------------------------------------------------------------------------------------
+class APIError(Exception):
+    """An error returned to the client in OpenAI's shape."""
+
+    def __init__(self, message: str, status: int = 400, param: str | None = None, code: str | None = None,
+                 type: str = "invalid_request_error"):
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.param = param
+        self.code = code
+        self.type = type
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+
+class ServerMetrics:
+    def __init__(self):
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter("draftwise_requests", "Requests by outcome (stop, length, abort, "
+                                "rejected, unauthorized, unavailable, error)", ["outcome"], registry=r)
+        self.prompt_tokens = Counter("draftwise_prompt_tokens", "Prompt tokens of admitted requests", registry=r)
+        self.generation_tokens = Counter("draftwise_generation_tokens", "Generated tokens", registry=r)
+        lat = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+        self.ttft = Histogram("draftwise_time_to_first_token_seconds", "Time to first token (from arrival)",
+                              buckets=lat, registry=r)
+        self.tpot = Histogram("draftwise_time_per_output_token_seconds", "Mean time per output token after "
+                              "the first, per request",
+                              buckets=(0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.3, 0.6, 1.0, 2.5),
+                              registry=r)
+        self.e2e = Histogram("draftwise_e2e_request_latency_seconds", "Arrival to last token", buckets=lat,
+                             registry=r)
+        self.running = Gauge("draftwise_num_requests_running", "Requests in the running batch", registry=r)
+        self.waiting = Gauge("draftwise_num_requests_waiting", "Requests waiting to be scheduled", registry=r)
+        self.kv_used = Gauge("draftwise_kv_blocks_used", "KV-cache blocks in use", registry=r)
+        self.kv_total = Gauge("draftwise_kv_blocks_total", "KV-cache blocks in the pool", registry=r)
+        self.drafts = Counter("draftwise_spec_decode_num_drafts", "Draft proposals verified", registry=r)
+        self.draft_tokens = Counter("draftwise_spec_decode_num_draft_tokens", "Draft tokens verified",
+                                    registry=r)
+        self.accepted_tokens = Counter("draftwise_spec_decode_num_accepted_tokens", "Draft tokens accepted",
+                                       registry=r)
+        self.accepted_per_pos = Counter("draftwise_spec_decode_num_accepted_tokens_per_pos",
+                                        "Draft tokens accepted at each draft position", ["position"],
+                                        registry=r)
+        self.prefix_queries = Counter("draftwise_prefix_cache_queries", "Prompt tokens looked up in the prefix "
+                                      "cache", registry=r)
+        self.prefix_hits = Counter("draftwise_prefix_cache_hits", "Prompt tokens found in the prefix cache",
+                                   registry=r)
+        self.prefix_hit_rate = Gauge("draftwise_prefix_cache_hit_rate", "Prefix-cache hits / queries (tokens, "
+                                     "since start)", registry=r)
+        self._last_spec = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0}
+        self._last_prefix = {"queries": 0, "hits": 0}
+        self._last_pos: list[int] = []
+
+    def observe_engine(self, m: dict) -> None:
+        """Called on the engine thread with `engine.get_metrics()`."""
+        self.running.set(m.get("num_running", 0))
+        self.waiting.set(m.get("num_waiting", 0))
+        self.kv_used.set(m.get("kv_blocks_used", 0))
+        self.kv_total.set(m.get("kv_blocks_total", 0))
+        pc = m.get("prefix_cache") or {}
+        for key, counter in (("queries", self.prefix_queries), ("hits", self.prefix_hits)):
+            v = int(pc.get(key, 0))
+            if v > self._last_prefix[key]:
+                counter.inc(v - self._last_prefix[key])
+            self._last_prefix[key] = v
+        self.prefix_hit_rate.set(pc.get("hit_rate", 0.0))
+        spec = m.get("spec_decode") or {}
+        for key, counter in (("num_drafts", self.drafts), ("num_draft_tokens", self.draft_tokens),
+                             ("num_accepted_tokens", self.accepted_tokens)):
+            v = int(spec.get(key, 0))
+            if v > self._last_spec[key]:
+                counter.inc(v - self._last_spec[key])
+            self._last_spec[key] = v
+        pos = list(spec.get("accepted_per_position") or [])
+        for i, v in enumerate(pos):
+            last = self._last_pos[i] if i < len(self._last_pos) else 0
+            child = self.accepted_per_pos.labels(position=str(i))   # creates the series at 0
+            if v > last:
+                child.inc(v - last)
+        self._last_pos = pos
+
+    def render(self) -> tuple[bytes, str]:
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+@dataclass
+class Submission:
+    request_id: str
+    prompt: Any                          # str | list[int]; None for chat
+    messages: list | None                # chat messages (template applied on the engine thread)
+    sampling: dict                       # SamplingParams kwargs (max_tokens may be None)
+    default_max_tokens: int | None       # None: up to the context (chat); else min(this, room left)
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    arrival: float = field(default_factory=time.time)
+    first_token_time: float | None = None
+
+
+_STOP = object()
+
+
+class EngineLoop:
+    """Runs `engine.step()` on one background thread for every connection."""
+
+    def __init__(self, llm, metrics: ServerMetrics | None = None, idle_poll_s: float = 0.5):
+        self.llm = llm
+        self.engine = llm.engine
+        self.metrics = metrics
+        self.idle_poll_s = idle_poll_s
+        self._inbox: queue.Queue = queue.Queue()
+        self._subs: dict[str, Submission] = {}     # engine thread only
+        self._thread: threading.Thread | None = None
+        self._stopped = threading.Event()
+        self._lock = threading.Lock()
+        self._closed = False                         # no more submissions (stopping or crashed)
+        self.fatal_error: BaseException | None = None
+
+    # --- called from the event loop / any thread ---------------------------------------------------
+    def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self._run, name="draftwise-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and not self._closed
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self._thread is None:
+            return
+        with self._lock:
+            self._closed = True
+            self._inbox.put(_STOP)
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            logger.warning("engine thread did not stop within %.1fs", timeout)
+
+    async def submit(self, sub: Submission) -> asyncio.Queue:
+        """Queue a request; returns its output queue once the engine accepted it (raises APIError)."""
+        with self._lock:               # either the engine thread will answer, or we refuse here
+            if self._closed or not self.alive:
+                raise APIError("the engine is not running", 503, type="server_error", code="engine_unavailable")
+            self._inbox.put(("add", sub))
+        kind, payload = await sub.queue.get()
+        if kind == "error":
+            raise payload
+        return sub.queue
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.put(("abort", request_id))
+
+    # --- engine thread -----------------------------------------------------------------------------
+    def _run(self) -> None:
+        import torch
+        torch.set_grad_enabled(False)
+        try:
+            while True:
+                busy = self.engine.has_unfinished_requests()
+                try:
+                    first = self._inbox.get_nowait() if busy else self._inbox.get(timeout=self.idle_poll_s)
+                    cmds = [first]
+                except queue.Empty:
+                    cmds = []
+                while True:
+                    try:
+                        cmds.append(self._inbox.get_nowait())
+                    except queue.Empty:
+                        break
+                if any(c is _STOP for c in cmds):
+                    self._shutdown_requests([c for c in cmds if c is not _STOP])
+                    return
+                for kind, payload in cmds:
+                    if kind == "add":
+                        self._add(payload)
+                    elif kind == "abort":
+                        self._abort(payload)
+                if self.engine.has_unfinished_requests():
+                    self._step()
+                if cmds or busy:
+                    self._publish_metrics()
+        except BaseException as e:     # never leave handlers waiting forever
+            self.fatal_error = e
+            logger.exception("engine thread crashed")
+            with self._lock:
+                self._closed = True
+            err = APIError(f"engine failure: {e}", 500, type="server_error")
+            self._fail_all(err)
+            self._reject_pending([], err)
+        finally:
+            self._stopped.set()
+
+    def _deliver(self, items: list[tuple[Submission, tuple]]) -> None:
+        if not items:
+            return
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for sub, item in items:
+            by_loop.setdefault(sub.loop, []).append((sub.queue, item))
+        for loop, batch in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, batch)
+            except RuntimeError:       # the event loop is closed: nobody is listening anymore
+                pass
+
+    def _add(self, sub: Submission) -> None:
+        from draftwise.sampling_params import SamplingParams
+        engine = self.engine
+        try:
+            if sub.messages is not None:
+                prompt = self.llm.apply_chat_template(sub.messages)
+                param = "messages"
+            else:
+                prompt = sub.prompt
+                param = "prompt"
+            text, ids = engine.tokenize_prompt(prompt)
+            if not ids:
+                raise APIError("the prompt is empty", param=param)
+            max_len = engine.config.max_model_len
+            if len(ids) >= max_len:
+                raise APIError(f"This model's maximum context length is {max_len} tokens, but the prompt has "
+                               f"{len(ids)} tokens (it must leave room for at least one new token).",
+                               param=param, code="context_length_exceeded")
+            kw = dict(sub.sampling)
+            room = max_len - len(ids)
+            if kw.get("max_tokens") is None:
+                kw["max_tokens"] = room if sub.default_max_tokens is None else min(sub.default_max_tokens, room)
+            elif len(ids) + kw["max_tokens"] > max_len:
+                raise APIError(f"This model's maximum context length is {max_len} tokens. However, you requested "
+                               f"{len(ids) + kw['max_tokens']} tokens ({len(ids)} in the prompt, "
+                               f"{kw['max_tokens']} for the completion). Please reduce the prompt or max_tokens.",
+                               param="max_tokens", code="context_length_exceeded")
+            params = SamplingParams(**kw)
+            engine.add_request({"prompt_token_ids": ids, "prompt": text}, params, request_id=sub.request_id)
+        except APIError as e:
+            self._reject(sub, e)
+            return
+        except (ValueError, TypeError) as e:
+            self._reject(sub, APIError(str(e)))
+            return
+        except Exception as e:         # noqa: BLE001
+            if type(e).__module__.startswith("jinja2"):      # e.g. raise_exception() in a chat template
+                self._reject(sub, APIError(f"chat template error: {e}", param="messages"))
+                return
+            logger.exception("add_request failed")
+            self._reject(sub, APIError(f"internal error: {e}", 500, type="server_error"), outcome="error")
+            return
+        self._subs[sub.request_id] = sub
+        if self.metrics:
+            self.metrics.prompt_tokens.inc(len(ids))
+        self._deliver([(sub, ("accepted", None))])
+
+    def _reject(self, sub: Submission, err: APIError, outcome: str = "rejected") -> None:
+        if self.metrics:
+            self.metrics.requests.labels(outcome=outcome).inc()
+        self._deliver([(sub, ("error", err))])
+
+    def _abort(self, request_id: str) -> None:
+        sub = self._subs.pop(request_id, None)
+        try:
+            self.engine.abort_request(request_id)
+        except Exception:              # noqa: BLE001
+            logger.exception("abort_request(%s) failed", request_id)
+        if sub is not None:
+            logger.info("request %s aborted (client went away)", request_id)
+            if self.metrics:
+                self.metrics.requests.labels(outcome="abort").inc()
+
+    def _step(self) -> None:
+        try:
+            outs = self.engine.step()
+        except Exception as e:         # noqa: BLE001 - fail the running requests, keep serving
+            logger.exception("engine.step() failed; failing %d request(s)", len(self._subs))
+            self._fail_all(APIError(f"internal engine error: {e}", 500, type="server_error"))
+            return
+        now = time.time()
+        items = []
+        for out in outs:
+            sub = self._subs.get(out.request_id)
+            if sub is None:
+                continue
+            if sub.first_token_time is None and out.new_token_ids:
+                sub.first_token_time = now
+            items.append((sub, ("output", out)))
+            if out.finished:
+                del self._subs[out.request_id]
+                self._observe_finished(sub, out, now)
+        self._deliver(items)
+
+    def _observe_finished(self, sub: Submission, out, now: float) -> None:
+        m = self.metrics
+        if m is None:
+            return
+        comp = out.outputs[0]
+        n = len(comp.token_ids)
+        m.requests.labels(outcome=comp.finish_reason or "stop").inc()
+        m.generation_tokens.inc(n)
+        if sub.first_token_time is not None:
+            m.ttft.observe(max(0.0, sub.first_token_time - sub.arrival))
+            if n > 1:
+                m.tpot.observe(max(0.0, now - sub.first_token_time) / (n - 1))
+        m.e2e.observe(max(0.0, now - sub.arrival))
+
+    def _fail_all(self, err: APIError) -> None:
+        """Abort every admitted request and send it `err`."""
+        subs = list(self._subs.values())
+        self._subs.clear()
+        for sub in subs:
+            try:
+                self.engine.abort_request(sub.request_id)
+            except Exception:          # noqa: BLE001
+                pass
+            if self.metrics:
+                self.metrics.requests.labels(outcome="error").inc()
+        self._deliver([(s, ("error", err)) for s in subs])
+
+    def _reject_pending(self, cmds: list, err: APIError) -> None:
+        """Answer every submission in `cmds` and in the inbox with `err` (the thread is going away;
+        `_closed` is set, so nothing more can be queued after this)."""
+        while True:
+            try:
+                cmds.append(self._inbox.get_nowait())
+            except queue.Empty:
+                break
+        items = [(c[1], ("error", err)) for c in cmds if c is not _STOP and c[0] == "add"]
+        if self.metrics:
+            for _ in items:
+                self.metrics.requests.labels(outcome="unavailable").inc()
+        self._deliver(items)
+
+    def _shutdown_requests(self, cmds: list) -> None:
+        err = APIError("the server is shutting down", 503, type="server_error", code="shutting_down")
+        if self._subs:
+            logger.warning("stopping the engine with %d unfinished request(s)", len(self._subs))
+        self._fail_all(err)
+        self._reject_pending(cmds, err)
+        self._publish_metrics()
+
+    def _publish_metrics(self) -> None:
+        if self.metrics is None:
+            return
+        try:
+            self.metrics.observe_engine(self.engine.get_metrics())
+        except Exception:              # noqa: BLE001
+            logger.exception("reading engine metrics failed")
+
+
+def _put_all(batch) -> None:
+    for q, item in batch:
+        q.put_nowait(item)
+
+
+# ---------------------------------------------------------------------------------------------------
+# request -> submission
+# ---------------------------------------------------------------------------------------------------
+def sampling_kwargs(req: P.SamplingRequest, chat: bool) -> dict:
+    """SamplingParams kwargs (max_tokens may be None: filled in against the prompt length)."""
+    from draftwise.sampling_params import SamplingParams
+    max_tokens = req.max_tokens
+    if chat and max_tokens is None:
+        max_tokens = req.max_completion_tokens
+    kw = {"max_tokens": max_tokens, "temperature": float(req.temperature), "top_p": float(req.top_p),
+          "top_k": req.top_k, "seed": req.seed, "stop": req.stop_list(), "ignore_eos": req.ignore_eos,
+          "speculate": req.speculate,
+          "logprobs": req.num_logprobs() if chat else req.logprobs}
+    try:                               # the engine thread validates again against the prompt
+        SamplingParams(**{**kw, "max_tokens": kw["max_tokens"] or 1})
+    except ValueError as e:
+        raise APIError(str(e), code="invalid_value") from None
+    return kw
+
+
+def chat_messages(req: P.ChatCompletionRequest) -> list[dict]:
+    out = []
+    for i, m in enumerate(req.messages):
+        try:
+            msg = {"role": m.role, "content": m.text()}
+        except ValueError as e:
+            raise APIError(str(e), param=f"messages[{i}].content", code="invalid_value") from None
+        if m.name:
+            msg["name"] = m.name
+        out.append(msg)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------
+# output -> response
+# ---------------------------------------------------------------------------------------------------
+class TokenStrings:
+    """Token id -> text, for logprobs (cached; a lock keeps tokenizer calls off concurrent threads)."""
+
+    def __init__(self, tokenizer):
+        self.tok = tokenizer
+        self.cache: dict[int, str] = {}
+        self.lock = threading.Lock()
+
+    def __call__(self, token_id: int) -> str:
+        s = self.cache.get(token_id)
+        if s is None:
+            with self.lock:
+                s = self.tok.decode([token_id]) if self.tok is not None else str(token_id)
+            self.cache[token_id] = s
+        return s
+
+
+def finish_reason(r: str | None) -> str | None:
+    return "length" if r == "length" else ("stop" if r is not None else None)
+
+
+def usage(out) -> P.UsageInfo:
+    p = len(out.prompt_token_ids)
+    c = len(out.outputs[0].token_ids)
+    m = out.metrics
+    spec = None
+    if m.num_drafts:
+        spec = P.SpecDecodeUsage(num_drafts=m.num_drafts, num_draft_tokens=m.num_draft_tokens,
+                                 num_accepted_tokens=m.num_accepted_tokens,
+                                 mean_acceptance_length=round(m.mean_acceptance_length, 4))
+    return P.UsageInfo(prompt_tokens=p, completion_tokens=c, total_tokens=p + c, spec_decode=spec)
+
+
+def completion_logprobs(lps, strings: TokenStrings, offset: int = 0) -> P.CompletionLogprobs | None:
+    if lps is None:
+        return None
+    tokens = [strings(t.token_id) for t in lps]
+    offs = []
+    for s in tokens:
+        offs.append(offset)
+        offset += len(s)
+    return P.CompletionLogprobs(tokens=tokens, token_logprobs=[t.logprob for t in lps],
+                                top_logprobs=[{strings(i): v for i, v in t.top_logprobs} for t in lps],
+                                text_offset=offs)
+
+
+def chat_logprobs(lps, strings: TokenStrings) -> P.ChatLogprobs | None:
+    if lps is None:
+        return None
+
+    def entry(tid, lp):
+        s = strings(tid)
+        return {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8"))}
+
+    return P.ChatLogprobs(content=[P.ChatTokenLogprob(**entry(t.token_id, t.logprob),
+                                                      top_logprobs=[P.TopLogprob(**entry(i, v))
+                                                                    for i, v in t.top_logprobs])
+                                   for t in lps])
+
+
+def full_response(out, rid: str, model: str, created: int, chat: bool, strings: TokenStrings):
+    comp = out.outputs[0]
+    fr = finish_reason(comp.finish_reason)
+    if chat:
+        choice = P.ChatCompletionChoice(index=0, message=P.ChatResponseMessage(content=comp.text),
+                                        logprobs=chat_logprobs(comp.logprobs, strings), finish_reason=fr)
+        return P.ChatCompletionResponse(id=rid, created=created, model=model, choices=[choice], usage=usage(out))
+    choice = P.CompletionChoice(index=0, text=comp.text, logprobs=completion_logprobs(comp.logprobs, strings),
+                                finish_reason=fr)
+    return P.CompletionResponse(id=rid, created=created, model=model, choices=[choice], usage=usage(out))
+
+
+def sse(obj) -> str:
+    if isinstance(obj, P.BaseModel):
+        return f"data: {obj.model_dump_json()}\n\n"
+    import json
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+class TextDelta:
+    """Incremental text for streaming. Holds back what might still become a stop string (the engine
+    truncates the text there) and a trailing partial UTF-8 character."""
+
+    def __init__(self, stop: list[str] | None):
+        self.sent = 0
+        self.hold = max((len(s) for s in stop), default=1) - 1 if stop else 0
+
+    def update(self, text: str, finished: bool) -> str:
+        limit = len(text) if finished else len(text) - self.hold
+        if not finished:
+            while limit > self.sent and text[limit - 1] == "\ufffd":
+                limit -= 1
+        if limit <= self.sent:
+            return ""
+        d = text[self.sent:limit]
+        self.sent = limit
+        return d
