@@ -224,6 +224,8 @@ class EngineConfig:
     quantization: str | None = None
     # automatic prefix caching: full KV blocks shared across requests by a hash of their tokens
     enable_prefix_caching: bool = True
+    # tensor parallelism: the target sharded over this many processes (torch.distributed)
+    tensor_parallel_size: int = 1
 
     def __post_init__(self):
         if self.enforce_eager is None:
@@ -237,7 +239,7 @@ class EngineConfig:
             raise ValueError(f"unknown quantization {self.quantization!r}; choose 'int8', 'int4' or None")
         if self.dtype not in DTYPES:
             raise ValueError(f"unknown dtype {self.dtype!r}; choose one of {sorted(DTYPES)}")
-        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size"):
+        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size", "tensor_parallel_size"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")

@@ -25,9 +25,17 @@ class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
         torch.manual_seed(config.seed)
+        self.tp = self._start_tensor_parallel() if config.tensor_parallel_size > 1 else None
         self.model, self.model_cfg, self.model_path = load_target_model(
             config.model, config.torch_dtype, config.device,
             max_position=config.max_model_len + 256)
+        drafter_target = self.model
+        if self.tp is not None:
+            from draftwise.distributed.tensor_parallel import DrafterTargetView, shard_target
+            emb = self.model.embed_tokens.weight.detach().clone()
+            head = emb if self.model_cfg.tie_word_embeddings else self.model.lm_head.weight.detach().clone()
+            drafter_target = DrafterTargetView(self.model, emb, head)
+            shard_target(self.model, 0, config.tensor_parallel_size)
         self.tokenizer = load_tokenizer(self.model_path)
         self.eos_token_ids = tuple(self.model_cfg.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None \
@@ -38,14 +46,14 @@ class LLMEngine:
         self.num_spec_tokens = 0
         if self.spec_config is not None:
             from draftwise.spec_decode.factory import build_proposer
-            self.proposer = build_proposer(self.spec_config, self.model, self.model_cfg, config,
+            self.proposer = build_proposer(self.spec_config, drafter_target, self.model_cfg, config,
                                            self.model_path)
             self.num_spec_tokens = self.spec_config.num_speculative_tokens
         self._prepare_linears()
         lookahead = self.proposer.num_lookahead_tokens if self.proposer else 0
         blocks_per_seq = math.ceil((config.max_model_len + lookahead + 1) / config.block_size)
         num_blocks = config.num_kv_blocks or blocks_per_seq * config.max_num_seqs
-        self.runner = ModelRunner(config, self.model, self.model_cfg, self.proposer, num_blocks)
+        self.runner = ModelRunner(config, self.model, self.model_cfg, self.proposer, num_blocks, self.tp)
         self.scheduler = Scheduler(config, num_blocks, lookahead)
         self.spec_stats = SpecDecodingStats()
         self.spec_stats_by_source: dict[str, SpecDecodingStats] = {}
@@ -59,6 +67,27 @@ class LLMEngine:
             sizes = sorted({1 << i for i in range(12) if 1 << i < limit} | {limit})
             self.policy.set_step_costs(self.runner.measure_target_costs(sizes))
         self.num_steps = 0
+
+    def _start_tensor_parallel(self):
+        """Check the sharding fits, then start the worker ranks (rank 0 is this process)."""
+        from draftwise.config import ModelConfig
+        from draftwise.distributed.tensor_parallel import check_divisibility
+        from draftwise.distributed.worker import TPDriver, threads_per_rank
+        from draftwise.models.loader import read_config_json, resolve_model_dir
+        config, world = self.config, self.config.tensor_parallel_size
+        if config.quantization is not None:
+            raise ValueError("quantization together with tensor parallelism is not supported")
+        check_divisibility(ModelConfig.from_hf_dict(read_config_json(resolve_model_dir(config.model))), world)
+        if not config.enforce_eager:
+            logger.info("tensor parallelism runs eager (no compiled graphs)")
+            config.enforce_eager = True
+        torch.set_num_threads(threads_per_rank(world))
+        return TPDriver(config, world)
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers, if any (idempotent)."""
+        if self.tp is not None:
+            self.tp.shutdown()
 
     def _prepare_linears(self) -> None:
         """Weight-only quantization (layers/quant.py), else, on CPU, transposed weight copies for
@@ -79,7 +108,7 @@ class LLMEngine:
             if draft is not None:
                 quantize_model(draft, "int8")
             return
-        if torch.device(config.device).type == "cpu":
+        if torch.device(config.device).type == "cpu" and self.tp is None:
             # CPU matmuls: keep a transposed copy of every weight for multi-row GEMMs (and, in
             # compiled graphs, for single rows too; see layers/linear.py)
             from draftwise.layers.linear import prepare_linears_for_inference

@@ -31,6 +31,8 @@ def _engine_args(p: argparse.ArgumentParser, spec_default: str | None = DEFAULT_
                         "`serve` and `bench` compile by default)")
     p.add_argument("--quantization", default=None, choices=["int8", "int4"],
                    help="weight-only quantization of the target's linears (default: none, fp32)")
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="shard the target over this many processes (torch.distributed)")
     p.add_argument("--compile-sizes", default=None,
                    help="static token buckets for compiled graphs, e.g. 1,2,4,8 (default)")
 
@@ -65,7 +67,8 @@ def build_llm(args):
                block_size=args.block_size, dtype=args.dtype, device=args.device, seed=args.seed,
                speculative_config=_spec_from_arg(args.speculative_config),
                enforce_eager=not args.compile,
-               compile_sizes=_compile_sizes(args.compile_sizes), quantization=args.quantization)
+               compile_sizes=_compile_sizes(args.compile_sizes), quantization=args.quantization,
+               tensor_parallel_size=args.tensor_parallel_size)
 
 
 def _sampling(args):

@@ -41,7 +41,7 @@ class LLM:
                  num_kv_blocks: int | None = None, dtype: str = "float32", device: str = "cpu",
                  seed: int = 0, speculative_config="auto", enforce_eager: bool | None = None,
                  compile_sizes: tuple[int, ...] | None = None, quantization: str | None = None,
-                 enable_prefix_caching: bool = True):
+                 enable_prefix_caching: bool = True, tensor_parallel_size: int = 1):
         if isinstance(speculative_config, str) and speculative_config.strip().lower() == "auto":
             speculative_config = default_speculative_config(model)
         spec = SpeculativeConfig.from_any(speculative_config)
@@ -50,7 +50,8 @@ class LLM:
                            block_size=block_size, num_kv_blocks=num_kv_blocks, dtype=dtype,
                            device=device, seed=seed, speculative_config=spec,
                            enforce_eager=enforce_eager, compile_sizes=compile_sizes,
-                           quantization=quantization, enable_prefix_caching=enable_prefix_caching)
+                           quantization=quantization, enable_prefix_caching=enable_prefix_caching,
+                           tensor_parallel_size=tensor_parallel_size)
         self.engine = LLMEngine(cfg)
 
     @property
@@ -120,3 +121,7 @@ class LLM:
 
     def get_metrics(self) -> dict:
         return self.engine.get_metrics()
+
+    def shutdown(self) -> None:
+        """Release the engine's worker processes (tensor parallelism); the LLM is unusable after."""
+        self.engine.shutdown()

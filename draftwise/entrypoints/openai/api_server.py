@@ -138,6 +138,7 @@ def build_app(llm, served_model_name: str, api_key: str | None = None):
         finally:
             state.draining = True
             await asyncio.to_thread(state.engine_loop.stop)
+            llm.engine.shutdown()             # tensor-parallel workers, if any
 
     app = FastAPI(title="draftwise OpenAI-compatible server", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.server = state
@@ -354,6 +355,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--quantization", default=None, choices=["int8", "int4"],
                         help="weight-only quantization of the target's linears (default: none)")
     parser.add_argument("--no-prefix-caching", action="store_true", help="disable automatic prefix caching")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1,
+                        help="shard the target over this many processes (torch.distributed; default 1)")
     parser.add_argument("--enforce-eager", action="store_true",
                         help="no compiled graphs (faster start-up, slower steps)")
     parser.add_argument("--shutdown-timeout", type=float, default=30.0,
@@ -378,6 +381,8 @@ def build_llm(args):
         kw["quantization"] = args.quantization
     if getattr(args, "no_prefix_caching", False):
         kw["enable_prefix_caching"] = False
+    if getattr(args, "tensor_parallel_size", 1) != 1:
+        kw["tensor_parallel_size"] = args.tensor_parallel_size
     spec_arg = args.speculative_config
     if spec_arg is not None and spec_arg.strip().lower() in ("none", "null", ""):
         return LLM(args.model, speculative_config=None, **kw)

@@ -1,0 +1,203 @@
+"""Tensor-parallel worker processes and the driver that leads them.
+
+Rank 0 is the engine process itself (scheduler, sampler, drafters, and its own target shard); ranks
+1..N-1 are fresh Python processes (`python -m draftwise.distributed.worker`, so nothing depends on
+how the engine process was started). Each loads and shards the target, reports ready through the
+rendezvous store, and only then joins the process group (a worker that fails to start is reported
+with its error instead of a rendezvous timeout). Before every target
+forward rank 0 broadcasts the step (input ids, positions, the attention metadata's raw fields,
+logits rows) with `broadcast_object_list`; every rank then runs its shard, meeting at the
+all-reduces inside the layers, and rank 0 gathers the logits. KV-slot moves (tree verification
+keeps the accepted path) are broadcast the same way. Commands: init, forward, copy_slots, shutdown.
+
+Failure handling: the driver checks its workers before each broadcast and a collective with a dead
+peer raises at once (gloo notices the closed connection), so a crashed worker turns every later step
+into a RuntimeError naming it - the engine fails its requests instead of hanging. Workers are daemon
+processes of the engine's process group and exit when it shuts down or its connection closes."""
+from __future__ import annotations
+
+import atexit
+import datetime
+import logging
+import os
+import pickle
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger("draftwise")
+
+TIMEOUT = datetime.timedelta(seconds=300)
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _backend(device: str) -> str:
+    return "nccl" if torch.device(device).type == "cuda" else "gloo"
+
+
+def threads_per_rank(world: int) -> int:
+    return max(1, (os.cpu_count() or 1) // world)
+
+
+def meta_fields(meta) -> dict:
+    """The raw (pre-finalize) fields of an AttentionMetadata, enough to rebuild it on a worker."""
+    return {"slot_mapping": meta.slot_mapping, "query_lens": meta.query_lens, "seq_lens": meta.seq_lens,
+            "block_tables": meta.block_tables, "block_size": meta.block_size, "mask_kind": meta.mask_kind,
+            "tree_mask": meta.tree_mask, "tree_kv_lens": meta.tree_kv_lens}
+
+
+class TPDriver:
+    """Rank 0's side: starts the workers, joins the process group, broadcasts commands."""
+
+    def __init__(self, config, world: int, start_timeout: float = 600.0):
+        self.world = world
+        self.device = config.device
+        self.broken: str | None = None
+        self.closed = False
+        port = _free_port()
+        self.store = dist.TCPStore("127.0.0.1", port, world, True, timeout=TIMEOUT, wait_for_workers=False)
+        fd, self.config_path = tempfile.mkstemp(prefix="draftwise-tp-", suffix=".pkl")
+        with os.fdopen(fd, "wb") as f:
+            pickle.dump(config, f)
+        self.logs = [tempfile.TemporaryFile() for _ in range(1, world)]
+        self.procs = [subprocess.Popen([sys.executable, "-m", "draftwise.distributed.worker", self.config_path,
+                                        str(rank), str(world), str(port)], stdout=log, stderr=log)
+                      for rank, log in zip(range(1, world), self.logs)]
+        atexit.register(self.shutdown)
+        deadline = time.time() + start_timeout
+        for rank in range(1, world):
+            while not self._ready(rank):
+                self._check()
+                if time.time() > deadline:
+                    self.shutdown()
+                    raise RuntimeError(f"tensor-parallel worker {rank} did not start in {start_timeout:.0f} s")
+                time.sleep(0.05)
+        dist.init_process_group(_backend(config.device), store=self.store, rank=0, world_size=world,
+                                timeout=TIMEOUT)
+
+    def _ready(self, rank: int) -> bool:
+        try:
+            return self.store.check([f"ready{rank}"])
+        except Exception:              # noqa: BLE001
+            return False
+
+    def _tail(self, rank: int) -> str:
+        log = self.logs[rank - 1]
+        log.seek(0)
+        lines = log.read().decode(errors="replace").strip().splitlines()
+        return (": " + lines[-1]) if lines else ""
+
+    def _check(self) -> None:
+        if self.broken is None:
+            for rank, p in enumerate(self.procs, 1):
+                if p.poll() is not None:
+                    self.broken = f"tensor-parallel worker {rank} exited (exit code {p.returncode}){self._tail(rank)}"
+        if self.broken is not None:
+            raise RuntimeError(self.broken + "; restart the engine")
+        if self.closed:
+            raise RuntimeError("the tensor-parallel workers were shut down")
+
+    def send(self, kind: str, payload=None) -> None:
+        self._check()
+        try:
+            dist.broadcast_object_list([(kind, payload)], src=0)
+        except Exception as e:         # a peer went away mid-collective
+            self.broken = f"tensor-parallel collective failed ({e})"
+            raise RuntimeError(self.broken) from None
+
+    def collective(self, fn):
+        """Run rank 0's part of a step (its own shard), turning a failed collective into a clear error."""
+        try:
+            return fn()
+        except RuntimeError as e:
+            time.sleep(0.2)            # let a crashed worker's exit become visible
+            if self.broken is None and any(p.poll() is not None for p in self.procs):
+                try:
+                    self._check()
+                except RuntimeError:
+                    pass
+            self.broken = self.broken or f"tensor-parallel collective failed ({e})"
+            raise RuntimeError(self.broken) from None
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        if self.closed:
+            return
+        try:
+            if self.broken is None:
+                self.send("shutdown")
+        except RuntimeError:
+            pass
+        self.closed = True
+        for p in self.procs:
+            try:
+                p.wait(timeout)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(5)
+        try:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        except Exception:              # noqa: BLE001 - already gone
+            pass
+        for log in self.logs:
+            log.close()
+        try:
+            os.unlink(self.config_path)
+        except OSError:
+            pass
+
+
+def worker_main(config, rank: int, world: int, port: int) -> None:
+    """A worker rank: load and shard the target, then execute broadcast commands until shutdown."""
+    torch.set_num_threads(threads_per_rank(world))
+    torch.set_grad_enabled(False)
+    from draftwise.distributed.tensor_parallel import local_kv_heads, shard_target
+    from draftwise.engine.kv_cache import KVCache
+    from draftwise.layers.attention import AttentionMetadata
+    from draftwise.models.loader import load_target_model
+    model, cfg, _ = load_target_model(config.model, config.torch_dtype, config.device,
+                                      max_position=config.max_model_len + 256)
+    store = dist.TCPStore("127.0.0.1", port, world, False, timeout=TIMEOUT)
+    store.set(f"ready{rank}", "1")
+    dist.init_process_group(_backend(config.device), store=store, rank=rank, world_size=world, timeout=TIMEOUT)
+    shard_target(model, rank, world)
+    kv_cache = None
+    try:
+        while True:
+            box = [None]
+            dist.broadcast_object_list(box, src=0)
+            kind, payload = box[0]
+            if kind == "shutdown":
+                break
+            if kind == "init":
+                specs = [(local_kv_heads(cfg.num_key_value_heads, world), cfg.head_dim)] * cfg.num_hidden_layers
+                kv_cache = KVCache(payload["num_blocks"], config.block_size, specs, config.torch_dtype,
+                                   config.device)
+            elif kind == "forward":
+                meta = AttentionMetadata(**payload["meta"]).finalize()
+                model(payload["input_ids"], payload["positions"], meta, kv_cache, payload["logits_indices"])
+            elif kind == "copy_slots":
+                kv_cache.copy_slots(payload["src"], payload["dst"], range(cfg.num_hidden_layers))
+            else:
+                raise RuntimeError(f"unknown tensor-parallel command {kind!r}")
+    finally:
+        try:
+            dist.destroy_process_group()
+        except Exception:              # noqa: BLE001
+            pass
+
+
+if __name__ == "__main__":
+    with open(sys.argv[1], "rb") as f:
+        cfg = pickle.load(f)
+    worker_main(cfg, int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))
