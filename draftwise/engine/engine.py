@@ -63,8 +63,10 @@ class LLMEngine:
         if self.spec_config is not None and self.spec_config.adaptive:
             from draftwise.spec_decode.policy import SpeculationPolicy
             self.policy = SpeculationPolicy(self.num_spec_tokens)
-            limit = min(config.max_num_batched_tokens, config.max_num_seqs * (1 + self.num_spec_tokens))
-            sizes = sorted({1 << i for i in range(12) if 1 << i < limit} | {limit})
+            # token counts up to 64 measured (a few seconds at start-up); past that the cost is linear
+            # in the tokens and the policy extrapolates
+            limit = min(config.max_num_batched_tokens, config.max_num_seqs * (1 + self.num_spec_tokens), 64)
+            sizes = sorted({1 << i for i in range(7) if 1 << i < limit} | {limit})
             self.policy.set_step_costs(self.runner.measure_target_costs(sizes))
         self.num_steps = 0
 
@@ -192,7 +194,8 @@ class LLMEngine:
                 req.metrics.observe(s.num_draft_tokens, acc)
                 src = req.spec_source or self.spec_config.method
                 self.spec_stats_by_source.setdefault(src, SpecDecodingStats()).observe(s.num_draft_tokens, acc)
-                if self.policy is not None:
+                if self.policy is not None and src == self.spec_config.method:
+                    # the policy sizes the model drafter: it learns from that drafter's drafts only
                     self.policy.observe_acceptance(s.num_draft_tokens, acc)
             appended = self.scheduler.update(s, new, acc)
             new_lps = None
