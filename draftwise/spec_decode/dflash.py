@@ -51,8 +51,20 @@ class DFlashProposer(Proposer):
         self.timings: dict[str, float] = {"inject": 0.0, "block": 0.0, "lm_head": 0.0}
         self.num_calls = 0
         self.num_blocks = 0
-        self.keep_logits = False            # tests: keep the last block logits [n, k, V]
+        self.keep_logits = False            # tests: keep the last block logits [n, k, V] (exact head)
         self.last_logits: torch.Tensor | None = None
+        self.draft_head = self._int8_head()
+
+    def _int8_head(self):
+        """An int8 copy of the target's LM head for the drafts' argmax (CPU): the block's k rows through
+        the full-vocabulary head were most of a drafting step (fp32 GEMMs of a few rows take a slow
+        path here); verification still uses the target's own head, so outputs are unchanged."""
+        w = getattr(self.target.lm_head, "weight", None)
+        if w is None or w.device.type != "cpu":
+            return None
+        from draftwise.layers.quant import Int8Linear, quantize_int8_per_channel
+        q, scale = quantize_int8_per_channel(w.detach())
+        return Int8Linear(q, scale)
 
     def kv_layer_specs(self):
         c = self.model.config
@@ -106,8 +118,11 @@ class DFlashProposer(Proposer):
         t2 = time.perf_counter()
         self.timings["block"] += t2 - t1
         # 3. block positions 1..k through the target's LM head, greedy
-        hd = h.view(n, B, -1)[:, 1:1 + k]
-        logits = self.target.compute_logits(hd.reshape(n * k, -1)).view(n, k, -1)
+        hd = h.view(n, B, -1)[:, 1:1 + k].reshape(n * k, -1)
+        if self.draft_head is not None and not self.keep_logits:
+            logits = self.draft_head(hd).view(n, k, -1)
+        else:
+            logits = self.target.compute_logits(hd).view(n, k, -1)
         if self.keep_logits:
             self.last_logits = logits.detach().float().clone()
         drafts = logits.argmax(-1).tolist()
