@@ -127,6 +127,9 @@ class SpeculativeConfig:
     draft_tree: bool = False
     # hybrid drafting: "suffix" | "ngram" beside an eagle3 / dflash drafter
     hybrid: str | None = None
+    # False: requests sampled with a seed are decoded without drafts, so a seed gives the same
+    # tokens whatever else is in the batch (drafts change how many random numbers a step uses)
+    draft_seeded_sampling: bool = True
 
     @classmethod
     def from_any(cls, spec: Any) -> "SpeculativeConfig | None":
@@ -226,6 +229,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     # tensor parallelism: the target sharded over this many processes (torch.distributed)
     tensor_parallel_size: int = 1
+    # async scheduling: step n+1 is prepared (and step n's outputs detokenized) while step n runs
+    async_scheduling: bool = False
 
     def __post_init__(self):
         if self.enforce_eager is None:

@@ -129,8 +129,11 @@ def test_streaming_yields_incremental_tokens(tiny_llama):
     chunks = list(llm.stream({"prompt_token_ids": [5, 6, 7]}, GREEDY))
     assert chunks[-1].finished
     streamed = [t for c in chunks for t in c.new_token_ids]
-    assert streamed == chunks[-1].outputs[0].token_ids
-    assert len(chunks) == 20
+    assert streamed == chunks[-1].outputs[0].token_ids and len(streamed) == 20
+    assert all(c.new_token_ids for c in chunks)                     # one chunk per step with tokens
+    plain = list(LLM(path, block_size=4, max_model_len=128, speculative_config=None).stream(
+        {"prompt_token_ids": [5, 6, 7]}, GREEDY))
+    assert len(plain) == 20 and [t for c in plain for t in c.new_token_ids] == streamed
 
 
 @pytest.mark.parametrize("kind", [CAUSAL, NONCAUSAL])

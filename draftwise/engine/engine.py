@@ -69,6 +69,8 @@ class LLMEngine:
             sizes = sorted({1 << i for i in range(7) if 1 << i < limit} | {limit})
             self.policy.set_step_costs(self.runner.measure_target_costs(sizes))
         self.num_steps = 0
+        self._inflight = None                 # async scheduling: (SchedulerOutput, Future) of the running step
+        self._pool = None
 
     def _start_tensor_parallel(self):
         """Check the sharding fits, then start the worker ranks (rank 0 is this process)."""
@@ -87,7 +89,14 @@ class LLMEngine:
         return TPDriver(config, world)
 
     def shutdown(self) -> None:
-        """Stop the tensor-parallel workers, if any (idempotent)."""
+        """Finish an in-flight step and stop worker threads / tensor-parallel workers (idempotent)."""
+        if self._inflight is not None:
+            self._inflight[1].result()
+            self._inflight = None
+            self.scheduler.end_flight()
+        if self._pool is not None:
+            self._pool.shutdown()
+            self._pool = None
         if self.tp is not None:
             self.tp.shutdown()
 
@@ -168,24 +177,73 @@ class LLMEngine:
                 self.proposer.on_request_finished(req)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._inflight is not None
 
     # --- one step ------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        if self.config.async_scheduling:
+            return self._step_async()
         sched = self.scheduler.schedule()
         if not sched.scheduled:
-            if self.scheduler.running or self.scheduler.waiting:
-                if not self.scheduler.running and self.scheduler.waiting:
-                    raise RuntimeError("the KV pool cannot hold the next waiting request")
-            return []
+            return self._nothing_scheduled()
         step = self.runner.execute(sched)
+        items = self._apply(sched, step)
+        self._propose(sched, step)
+        return self._emit(items)
+
+    def _nothing_scheduled(self) -> list[RequestOutput]:
+        if not self.scheduler.running and self.scheduler.waiting:
+            raise RuntimeError("the KV pool cannot hold the next waiting request")
+        return []
+
+    # --- async scheduling -------------------------------------------------------------------------
+    def _step_async(self) -> list[RequestOutput]:
+        """One step with the model running on a worker thread (seed 000's async scheduling):
+
+        while step n runs, the scheduler reserves KV blocks for step n+1 for the worst case (every
+        draft of step n accepted, the next draft at full length); once step n's accepted counts are
+        known, step n+1's token ids, positions and slots are filled in from the true state (the
+        position correction) and it is launched at once - then step n's outputs are detokenized and
+        returned while step n+1 runs. Requests that finish while a step is in flight (a stop string,
+        an abort) release their blocks when that step has completed; its results for them are
+        dropped. Greedy outputs are unchanged."""
+        if self._inflight is None:
+            sched = self.scheduler.schedule()
+            if not sched.scheduled:
+                return self._nothing_scheduled()
+            self._launch(sched)
+        sched, fut = self._inflight
+        self.scheduler.reserve_ahead(sched, self.num_spec_tokens)
+        step = fut.result()
+        self._inflight = None
+        self.scheduler.end_flight()
+        items = self._apply(sched, step)
+        self._propose(sched, step)
+        nxt = self.scheduler.schedule()
+        if nxt.scheduled:
+            self._launch(nxt)
+        return self._emit(items)
+
+    def _launch(self, sched) -> None:
+        if self._pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="draftwise-model")
+        inputs = self.runner.prepare(sched)      # tensors built here: the scheduler may move on
+        self.scheduler.begin_flight(sched)
+        self._inflight = (sched, self._pool.submit(self.runner.run, inputs))
+
+    # --- the three phases of a step ---------------------------------------------------------------
+    def _apply(self, sched, step) -> list:
+        """Account for a step's tokens (scheduler state, speculative-decoding counters)."""
         t0 = time.perf_counter()
-        outputs = []
+        items = []
         now = time.time()
         for s, new, acc, lps in zip(sched.scheduled, step.new_token_ids, step.num_accepted, step.logprobs):
             req = s.request
             if not new:                       # an unfinished prefill chunk: only account for it
                 self.scheduler.update(s, [], 0)
+                continue
+            if req.is_finished:               # finished while the step was in flight
                 continue
             if req.metrics.first_token_time is None:
                 req.metrics.first_token_time = now
@@ -202,23 +260,24 @@ class LLMEngine:
             if lps is not None:
                 new_lps = lps[:len(appended)]
                 req.logprobs.extend(new_lps)
-            new_text = self._detokenize(req)
-            if req.is_finished:
-                req.metrics.finished_time = now
-            outputs.append(self._make_output(req, appended, new_text, new_lps))
-        t1 = time.perf_counter()
+            items.append((req, appended, new_lps))
+        self.runner.timer.add("bookkeeping", time.perf_counter() - t0)
+        self.num_steps += 1
+        return items
+
+    def _propose(self, sched, step) -> None:
+        """Drafts for the next step (or none, where the adaptive policy says plain decoding pays)."""
         k = self.num_spec_tokens
         if self.policy is not None:
             k = self.policy.choose(len(self.scheduler.running))
         if self.policy is not None and k == 0:
             # plain decoding this step: skip the drafter entirely (its KV for these positions goes
             # stale, which can only lower later acceptance, never change outputs)
-            drafts = [[] for _ in sched.scheduled]
-        else:
-            t_draft = time.perf_counter()
-            drafts = self.runner.propose(step, k)
-            if self.policy is not None:
-                self.policy.observe_draft_time(len(sched.scheduled), k, time.perf_counter() - t_draft)
+            return
+        t_draft = time.perf_counter()
+        drafts = self.runner.propose(step, k)
+        if self.policy is not None:
+            self.policy.observe_draft_time(len(sched.scheduled), k, time.perf_counter() - t_draft)
         sources = getattr(self.proposer, "last_sources", None) or [None] * len(drafts)
         for s, d, src in zip(sched.scheduled, drafts, sources):
             if not s.request.is_finished and d:
@@ -227,13 +286,23 @@ class LLMEngine:
                     s.request.spec_token_ids = d
                 else:                       # a TreeDraft
                     s.request.spec_tree = d
-        self.runner.timer.add("bookkeeping", t1 - t0)
-        self.num_steps += 1
+
+    def _emit(self, items) -> list[RequestOutput]:
+        """Detokenize (stop strings) and build the step's outputs."""
+        t0 = time.perf_counter()
+        outputs = []
+        now = time.time()
+        for req, appended, new_lps in items:
+            new_text = self._detokenize(req)
+            if req.is_finished:
+                req.metrics.finished_time = now
+            outputs.append(self._make_output(req, appended, new_text, new_lps))
         for o in outputs:
             if o.finished:
                 req = self.requests.pop(o.request_id, None)
                 if req is not None and self.proposer is not None:
                     self.proposer.on_request_finished(req)
+        self.runner.timer.add("bookkeeping", time.perf_counter() - t0)
         return outputs
 
     def _detokenize(self, req: Request) -> str:

@@ -57,6 +57,9 @@ class Scheduler:
         self.max_blocks_per_seq = math.ceil((config.max_model_len + num_lookahead_tokens + 1) / self.block_size)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        # async scheduling: requests of the step in flight, and blocks whose release waits for it
+        self.in_flight: set[int] = set()
+        self._deferred: list[list[int]] = []
         if self.max_blocks_per_seq > num_blocks:
             raise ValueError(f"KV pool of {num_blocks} blocks cannot hold one sequence of max_model_len="
                              f"{config.max_model_len} (needs {self.max_blocks_per_seq})")
@@ -84,9 +87,36 @@ class Scheduler:
             pass
 
     def _free(self, req: Request) -> None:
-        self.allocator.free(req.block_ids)
+        if id(req) in self.in_flight:          # the running step still writes these blocks
+            self._deferred.append(req.block_ids)
+        else:
+            self.allocator.free(req.block_ids)
         req.block_ids = []
         req.block_hashes = []
+
+    # --- async scheduling -------------------------------------------------------------------------
+    def begin_flight(self, out: "SchedulerOutput") -> None:
+        self.in_flight = {id(s.request) for s in out.scheduled}
+
+    def end_flight(self) -> None:
+        self.in_flight = set()
+        for blocks in self._deferred:
+            self.allocator.free(blocks)
+        self._deferred = []
+
+    def reserve_ahead(self, out: "SchedulerOutput", max_draft: int) -> None:
+        """While `out` runs: allocate the blocks its continuing requests need next step in the worst
+        case (all drafts accepted, then 1 + max_draft tokens and the lookahead). Only free blocks
+        are taken - nothing is preempted while a step is in flight; the regular schedule() after the
+        step covers whatever could not be reserved."""
+        for s in out.scheduled:
+            req = s.request
+            if req.is_finished or not s.completes_prompt:
+                continue
+            need = s.start_pos + s.num_new_tokens + 1 + max_draft + self.num_lookahead_tokens
+            blocks = min(math.ceil(need / self.block_size), self.max_blocks_per_seq) - len(req.block_ids)
+            if 0 < blocks <= self.allocator.num_free:
+                req.block_ids.extend(self.allocator.allocate(blocks))
 
     def _prefix_hits(self, req: Request) -> tuple[list[int], list[int]]:
         """(cached blocks, their hashes) for the longest cached prefix of a request that has computed

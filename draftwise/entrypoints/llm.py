@@ -12,9 +12,11 @@ from draftwise.sampling_params import SamplingParams
 # The default speculative configuration ("auto"): the one measured fastest on the default model
 # (README, "Choosing the default"), with the adaptive policy on so that speculation falls back to
 # plain decoding where it cannot pay. Targets without a shipped drafter get training-free suffix
-# decoding.
-DEFAULT_WITH_DRAFTER = {"method": "eagle3", "num_speculative_tokens": 3, "hybrid": "suffix", "adaptive": True}
-DEFAULT_TRAINING_FREE = {"method": "suffix", "adaptive": True}
+# decoding. Seeded sampled requests are decoded without drafts, so seeds stay reproducible across
+# batches (greedy and unseeded requests are sped up; outputs are lossless either way).
+DEFAULT_WITH_DRAFTER = {"method": "eagle3", "num_speculative_tokens": 3, "hybrid": "suffix", "adaptive": True,
+                        "draft_seeded_sampling": False}
+DEFAULT_TRAINING_FREE = {"method": "suffix", "adaptive": True, "draft_seeded_sampling": False}
 
 
 def default_speculative_config(model: str) -> dict:
@@ -41,7 +43,8 @@ class LLM:
                  num_kv_blocks: int | None = None, dtype: str = "float32", device: str = "cpu",
                  seed: int = 0, speculative_config="auto", enforce_eager: bool | None = None,
                  compile_sizes: tuple[int, ...] | None = None, quantization: str | None = None,
-                 enable_prefix_caching: bool = True, tensor_parallel_size: int = 1):
+                 enable_prefix_caching: bool = True, tensor_parallel_size: int = 1,
+                 async_scheduling: bool = False):
         if isinstance(speculative_config, str) and speculative_config.strip().lower() == "auto":
             speculative_config = default_speculative_config(model)
         spec = SpeculativeConfig.from_any(speculative_config)
@@ -51,7 +54,7 @@ class LLM:
                            device=device, seed=seed, speculative_config=spec,
                            enforce_eager=enforce_eager, compile_sizes=compile_sizes,
                            quantization=quantization, enable_prefix_caching=enable_prefix_caching,
-                           tensor_parallel_size=tensor_parallel_size)
+                           tensor_parallel_size=tensor_parallel_size, async_scheduling=async_scheduling)
         self.engine = LLMEngine(cfg)
 
     @property

@@ -56,7 +56,7 @@ def rejection_sample(logits: torch.Tensor, draft_token_ids: torch.Tensor, num_dr
     valid = cols[None, :] < num_draft[:, None]
     safe_draft = torch.where(valid, draft_token_ids, torch.zeros_like(draft_token_ids))
     p_draft = probs[:, :K].gather(2, safe_draft[:, :, None]).squeeze(2)   # [R, K]
-    u = uniform_noise(R, K, meta.generators, probs.device)
+    u = uniform_noise(R, K, meta.generators, probs.device, num_draft.tolist())
     accept = (u < p_draft) & valid
     reject = torch.cat([~accept, torch.ones(R, 1, dtype=torch.bool, device=probs.device)], 1)
     first = reject.int().argmax(1)                                       # [R] in 0..num_draft

@@ -78,10 +78,14 @@ def exponential_noise(n_rows: int, V: int, generators, device) -> torch.Tensor:
     return q
 
 
-def uniform_noise(n_rows: int, K: int, generators, device) -> torch.Tensor:
-    u = torch.empty(n_rows, K, device=device)
+def uniform_noise(n_rows: int, K: int, generators, device, counts=None) -> torch.Tensor:
+    """[n_rows, K] uniforms; row i draws only its first `counts[i]` from its own generator (the rest
+    stay 1), so how many numbers a request consumes does not depend on its batch mates."""
+    u = torch.ones(n_rows, K, device=device)
     for i in range(n_rows):
-        u[i].uniform_(generator=generators[i])
+        n = K if counts is None else counts[i]
+        if n:
+            u[i, :n].uniform_(generator=generators[i])
     return u
 
 

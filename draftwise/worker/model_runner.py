@@ -35,6 +35,22 @@ class StepOutput:
     logprobs: list = field(default_factory=list)   # per request: TokenLogprob per new token, or None
 
 
+@dataclass
+class StepInputs:
+    """A prepared step (ModelRunner.prepare): tensors built from the scheduler's decisions."""
+    sched: SchedulerOutput
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    block_tables: torch.Tensor
+    cache_pos: torch.Tensor
+    meta: AttentionMetadata
+    cu: list[int]
+    num_draft: list[int]
+    sampling: SamplingMetadata
+    spec_meta: SpecDecodeMetadata
+    any_tree: bool
+
+
 class StepTimer:
     """Accumulates wall time per phase of a step (drafting, verification, sampling, bookkeeping)."""
 
@@ -154,6 +170,11 @@ class ModelRunner:
     # --- one step --------------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> StepOutput:
+        return self.run(self.prepare(out))
+
+    def prepare(self, out: SchedulerOutput) -> "StepInputs":
+        """Everything a step reads from the scheduler and the requests, as tensors (async scheduling
+        builds these before handing the step to the model thread, so the scheduler may move on)."""
         t0 = time.perf_counter()
         scheds = out.scheduled
         reqs = [s.request for s in scheds]
@@ -190,6 +211,17 @@ class ModelRunner:
         sampling = self._sampling_metadata(reqs)
         # logits at each request's last num_draft + 1 rows (trees: the root, then the nodes)
         spec_meta = SpecDecodeMetadata.build(num_draft, cu, input_ids)
+        self.timer.add("prepare", time.perf_counter() - t0)
+        return StepInputs(out, input_ids, positions, block_tables, cache_pos, meta, cu, num_draft, sampling,
+                          spec_meta, any_tree)
+
+    @torch.inference_mode()
+    def run(self, inp: "StepInputs") -> StepOutput:
+        """The target forward, verification / sampling and tree KV compaction of a prepared step."""
+        out, scheds = inp.sched, inp.sched.scheduled
+        input_ids, positions, block_tables, cache_pos = inp.input_ids, inp.positions, inp.block_tables, inp.cache_pos
+        meta, cu, num_draft, sampling, spec_meta = inp.meta, inp.cu, inp.num_draft, inp.sampling, inp.spec_meta
+        any_tree = inp.any_tree
         logits_indices = spec_meta.logits_indices
         t1 = time.perf_counter()
         output = self._target_forward(input_ids, positions, meta, logits_indices)
@@ -221,7 +253,6 @@ class ModelRunner:
                 step_new.append(toks)
                 step_acc.append(len(toks) - 1)
         logprobs = self._logprobs(scheds, step_new, output.logits, num_draft)
-        self.timer.add("prepare", t1 - t0)
         self.timer.add("target_forward", t2 - t1)
         self.timer.add("sampling", t3 - t2)
         self.timer.steps += 1
@@ -281,6 +312,10 @@ class ModelRunner:
         return m.to(self.device)
 
     # --- drafting --------------------------------------------------------------------------------
+    def _drafts_allowed(self, params) -> bool:
+        spec = self.config.speculative_config
+        return spec is None or spec.draft_seeded_sampling or params.seed is None or params.greedy
+
     @torch.inference_mode()
     def propose(self, step: StepOutput, num_spec_tokens: int) -> list[list[int]]:
         """Drafts for every scheduled request (empty where none is wanted)."""
@@ -307,7 +342,7 @@ class ModelRunner:
                 next_ids.append(req.all_token_ids[last_pos + 1] if last_pos + 1 < req.num_tokens else 0)
             sampled_pos = last_pos + 1
             want.append(bool(num_spec_tokens > 0 and s.completes_prompt and not req.is_finished
-                             and req.params.speculate
+                             and req.params.speculate and self._drafts_allowed(req.params)
                              and sampled_pos + num_spec_tokens < self.config.max_model_len))
         if not any(want) and not self.proposer.needs_aux_hidden_states:
             return [[] for _ in scheds]
