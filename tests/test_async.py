@@ -37,7 +37,6 @@ def test_async_scheduling_is_lossless(tiny_llama, tmp_path, kind):
 
 
 def test_requests_finishing_or_aborted_in_flight(tiny_llama):
-    from tests.tokenizer_util import add_tiny_tokenizer  # noqa: F401  (tokenizer-free model: token ids)
     path, _ = tiny_llama
     llm = LLM(path, block_size=4, max_model_len=128, async_scheduling=True, speculative_config=None)
     eng = llm.engine

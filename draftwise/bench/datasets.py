@@ -7,24 +7,29 @@ import json
 import os
 
 
-def load_question_jsonl(path: str) -> list[list[str]]:
-    """Spec-Bench / MT-bench format: one JSON object per line with `turns` (list of user turns)."""
+def iter_jsonl(path: str):
+    """(line number, object) for every non-empty line; a malformed line is a ValueError naming it."""
     if not os.path.exists(path):
         raise ValueError(f"prompt file {path} does not exist")
-    convs = []
-    with open(path) as f:
+    with open(path, encoding="utf-8") as f:
         for i, line in enumerate(f):
             line = line.strip()
             if not line:
                 continue
             try:
-                obj = json.loads(line)
+                yield i + 1, json.loads(line)
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path}:{i + 1} is not valid JSON: {e}") from None
-            turns = obj.get("turns")
-            if not isinstance(turns, list) or not turns:
-                raise ValueError(f"{path}:{i + 1} has no 'turns' list")
-            convs.append([str(t) for t in turns])
+
+
+def load_question_jsonl(path: str) -> list[list[str]]:
+    """Spec-Bench / MT-bench format: one JSON object per line with `turns` (list of user turns)."""
+    convs = []
+    for n, obj in iter_jsonl(path):
+        turns = obj.get("turns") if isinstance(obj, dict) else None
+        if not isinstance(turns, list) or not turns:
+            raise ValueError(f"{path}:{n} has no 'turns' list")
+        convs.append([str(t) for t in turns])
     return convs
 
 

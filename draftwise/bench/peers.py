@@ -45,7 +45,6 @@ class LlamaCppPeer:
         if prompt_lookup:
             from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
             kw["draft_model"] = LlamaPromptLookupDecoding(num_pred_tokens=5)
-        import os
         n = torch.get_num_threads()          # the same threads as the draftwise methods of the run
         self.llm = Llama(model_path=path, n_ctx=4096, n_threads=n, n_threads_batch=n, verbose=False, **kw)
         self.max_tokens = max_tokens

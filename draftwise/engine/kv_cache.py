@@ -6,7 +6,6 @@ same slots: `slot = block_table[pos // block_size] * block_size + pos % block_si
 """
 from __future__ import annotations
 
-from collections import deque
 
 import torch
 

@@ -52,15 +52,12 @@ def quantize_int4_groupwise(w: torch.Tensor, group: int = INT4_GROUP):
     return codes.reshape(N, K), scale, mn
 
 
-class Int8Linear(nn.Module):
-    def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None):
-        super().__init__()
-        self.out_features, self.in_features = q.shape
-        self.register_buffer("qweight", q.contiguous())
-        self.register_buffer("scale", scale.to(torch.bfloat16).contiguous())
-        # the dense copy of the same weights (bf16-rounded scales), for many rows
-        self.register_buffer("weight_t", (q.float() * self.scale.float()[:, None]).t().contiguous())
-        self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
+class _QuantizedLinear(nn.Module):
+    """Shared by the int8 / int4 linears: the quantized kernel up to MAX_KERNEL_ROWS rows on CPU, the
+    dense fp32 copy (`weight_t`, [in, out]) of the same weights otherwise."""
+
+    def _kernel(self, x2: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
 
     @property
     def weight(self) -> torch.Tensor:
@@ -71,7 +68,7 @@ class Int8Linear(nn.Module):
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         if x2.shape[0] <= MAX_KERNEL_ROWS and x.device.type == "cpu":
-            y = torch.ops.aten._weight_int8pack_mm(x2.to(torch.bfloat16), self.qweight, self.scale).to(x.dtype)
+            y = self._kernel(x2.to(torch.bfloat16)).to(x.dtype)
         else:
             y = x2 @ self.weight_t.to(x.dtype)
         if self.bias is not None:
@@ -79,7 +76,21 @@ class Int8Linear(nn.Module):
         return y.reshape(*shape[:-1], self.out_features)
 
 
-class Int4Linear(nn.Module):
+class Int8Linear(_QuantizedLinear):
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None):
+        super().__init__()
+        self.out_features, self.in_features = q.shape
+        self.register_buffer("qweight", q.contiguous())
+        self.register_buffer("scale", scale.to(torch.bfloat16).contiguous())
+        # the dense copy of the same weights (bf16-rounded scales), for many rows
+        self.register_buffer("weight_t", (q.float() * self.scale.float()[:, None]).t().contiguous())
+        self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
+
+    def _kernel(self, x2):
+        return torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self.scale)
+
+
+class Int4Linear(_QuantizedLinear):
     def __init__(self, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, group: int = INT4_GROUP,
                  bias: torch.Tensor | None = None):
         super().__init__()
@@ -95,22 +106,8 @@ class Int4Linear(nn.Module):
         self.register_buffer("weight_t", w.t().contiguous())
         self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
 
-    @property
-    def weight(self) -> torch.Tensor:
-        """The dequantized [out, in] weight (for code that reads weights directly)."""
-        return self.weight_t.t()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        x2 = x.reshape(-1, shape[-1])
-        if x2.shape[0] <= MAX_KERNEL_ROWS and x.device.type == "cpu":
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2.to(torch.bfloat16), self.packed, self.group,
-                                                           self.scales_and_zeros).to(x.dtype)
-        else:
-            y = x2 @ self.weight_t.to(x.dtype)
-        if self.bias is not None:
-            y = y + self.bias.to(y.dtype)
-        return y.reshape(*shape[:-1], self.out_features)
+    def _kernel(self, x2):
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed, self.group, self.scales_and_zeros)
 
 
 def _linear_weight(mod: nn.Module) -> torch.Tensor:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from draftwise.layers.attention import CAUSAL, TREE, AttentionMetadata, slots_for_positions
+from draftwise.layers.attention import CAUSAL, AttentionMetadata, slots_for_positions
 from draftwise.spec_decode.proposer import Proposer, ProposerInput
 
 

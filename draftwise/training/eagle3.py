@@ -16,7 +16,6 @@ import time
 from dataclasses import asdict, dataclass
 
 import torch
-import torch.nn.functional as F
 
 from draftwise.config import ModelConfig
 from draftwise.engine.kv_cache import KVCache

@@ -17,7 +17,7 @@ import json
 import logging
 import os
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 import torch
 
@@ -66,23 +66,18 @@ def load_gen_prompts(tokenizer, data: str | None, split: str) -> list[list[dict]
     from draftwise.training.data import is_heldout, iter_sharegpt, to_messages
     convs: list[list[dict]] = []
     if data is not None and data.endswith(".jsonl"):
-        with open(data, encoding="utf-8") as f:
-            for i, line in enumerate(f):
-                line = line.strip()
-                if not line:
-                    continue
-                try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{data}:{i + 1} is not JSON: {e}") from None
-                if isinstance(rec.get("prompt"), str):
-                    convs.append([{"role": "user", "content": rec["prompt"]}])
-                elif isinstance(rec.get("turns"), list) and rec["turns"]:
-                    convs.append([{"role": "user", "content": str(rec["turns"][0])}])
-                else:
-                    msgs = to_messages(rec) or []
-                    if msgs and msgs[0]["role"] == "user":
-                        convs.append([msgs[0]])
+        from draftwise.bench.datasets import iter_jsonl
+        for _, rec in iter_jsonl(data):
+            if not isinstance(rec, dict):
+                continue
+            if isinstance(rec.get("prompt"), str):
+                convs.append([{"role": "user", "content": rec["prompt"]}])
+            elif isinstance(rec.get("turns"), list) and rec["turns"]:
+                convs.append([{"role": "user", "content": str(rec["turns"][0])}])
+            else:
+                msgs = to_messages(rec) or []
+                if msgs and msgs[0]["role"] == "user":
+                    convs.append([msgs[0]])
         return convs
     for rec in iter_sharegpt(data):
         if (split == "heldout") != is_heldout(rec.get("id", "")):

@@ -179,7 +179,6 @@ class ModelRunner:
         scheds = out.scheduled
         reqs = [s.request for s in scheds]
         ids, pos, qlens, seqlens = [], [], [], []
-        tree_masks = []
         any_tree = any(s.tree is not None for s in scheds)
         for s in scheds:
             n = s.num_new_tokens

@@ -16,7 +16,6 @@ import argparse
 import asyncio
 import contextlib
 import hmac
-import json
 import logging
 import os
 import time
