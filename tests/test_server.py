@@ -405,6 +405,10 @@ def test_load_bench_smoke(server):
     assert res["requests_per_s"] > 0 and res["latency_p99_s"] >= res["latency_p50_s"] > 0
     assert "req/s" in format_results(res)
     res = run_load_test(server.url, num_requests=2, concurrency=2, max_tokens=3, stream=False, chat=True)
+    assert res["completed"] == 2
+    multi = run_load_test(server.url, num_requests=3, concurrency=2, max_tokens=4, chat=True, turns=2,
+                          prompts=[["Hi there", "And then?"], ["Tell me a story"]])
+    assert multi["completed"] == 6 and multi["errors"] == 0 and "follow_up_ttft_p50_s" in multi
     assert res["completed"] == 2 and res["completion_tokens"] == 6
     with pytest.raises(ValueError, match="loopback"):
         run_load_test("http://example.com:8000", num_requests=1)

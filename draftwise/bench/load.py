@@ -5,6 +5,12 @@
 Sends `num_requests` completions (or chat) requests with at most `concurrency` in flight and prints
 throughput (requests/s, output tokens/s) and latency percentiles (end-to-end, and time to first
 token when streaming). Only loopback URLs are accepted unless --allow-remote is given.
+
+`--turns N` (chat): each of `num_requests` sessions is a conversation of N user turns (from
+--dataset, MT-bench / Spec-Bench question.jsonl, or follow-ups to the default prompts); turn k
+resends the whole history with the model's own earlier answers, as a chat client does. Time to first
+token is reported for first turns and for follow-up turns apart: follow-ups are where automatic
+prefix caching saves the prefill of the history.
 """
 import argparse
 import asyncio
@@ -44,9 +50,9 @@ def _is_loopback(url: str) -> bool:
         return False
 
 
-async def _run(url: str, num_requests: int, concurrency: int, max_tokens: int, prompts: list[str],
+async def _run(url: str, num_requests: int, concurrency: int, max_tokens: int, prompts: list,
                model: str | None, api_key: str | None, stream: bool, chat: bool, temperature: float,
-               timeout: float) -> dict:
+               timeout: float, turns: int = 1) -> dict:
     import httpx
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     base = url.rstrip("/")
@@ -57,61 +63,81 @@ async def _run(url: str, num_requests: int, concurrency: int, max_tokens: int, p
             r.raise_for_status()
             model = r.json()["data"][0]["id"]
         sem = asyncio.Semaphore(concurrency)
-        latencies, ttfts, errors = [], [], []
+        latencies, ttfts, follow_ttfts, errors = [], [], [], []
         tokens = {"prompt": 0, "completion": 0}
 
-        async def one(i: int) -> None:
-            p = prompts[i % len(prompts)]
+        async def session(i: int) -> None:
+            conv = prompts[i % len(prompts)]
+            conv = [conv] if isinstance(conv, str) else list(conv)
+            history: list[dict] = []
+            async with sem:
+                for t in range(turns if chat else 1):
+                    user = conv[t] if t < len(conv) else "Tell me more."
+                    history.append({"role": "user", "content": user})
+                    answer = await one(history if chat else user, t > 0)
+                    if answer is None:
+                        return
+                    history.append({"role": "assistant", "content": answer})
+
+        async def one(p, follow_up: bool):
             body = {"model": model, "max_tokens": max_tokens, "temperature": temperature, "ignore_eos": True}
             if chat:
-                body["messages"] = [{"role": "user", "content": p}]
+                body["messages"] = list(p)
                 path = "/v1/chat/completions"
             else:
                 body["prompt"] = p
                 path = "/v1/completions"
-            async with sem:
-                t0 = time.perf_counter()
-                try:
-                    if stream:
-                        body["stream"] = True
-                        body["stream_options"] = {"include_usage": True}
-                        usage, first = None, None
-                        async with client.stream("POST", path, json=body) as r:
-                            if r.status_code != 200:
-                                await r.aread()
-                                raise RuntimeError(f"HTTP {r.status_code}: {r.text[:200]}")
-                            async for line in r.aiter_lines():
-                                if not line.startswith("data: ") or line == "data: [DONE]":
-                                    continue
-                                ev = json.loads(line[6:])
-                                if "error" in ev:
-                                    raise RuntimeError(ev["error"].get("message"))
-                                if first is None and ev.get("choices"):
-                                    first = time.perf_counter()
-                                if ev.get("usage"):
-                                    usage = ev["usage"]
-                        if first is not None:
-                            ttfts.append(first - t0)
-                    else:
-                        r = await client.post(path, json=body)
+            text = []
+            t0 = time.perf_counter()
+            try:
+                if stream:
+                    body["stream"] = True
+                    body["stream_options"] = {"include_usage": True}
+                    usage, first = None, None
+                    async with client.stream("POST", path, json=body) as r:
                         if r.status_code != 200:
+                            await r.aread()
                             raise RuntimeError(f"HTTP {r.status_code}: {r.text[:200]}")
-                        usage = r.json().get("usage")
-                    latencies.append(time.perf_counter() - t0)
-                    if usage:
-                        tokens["prompt"] += usage["prompt_tokens"]
-                        tokens["completion"] += usage["completion_tokens"]
-                except Exception as e:          # noqa: BLE001 - count and go on
-                    errors.append(str(e) or type(e).__name__)
+                        async for line in r.aiter_lines():
+                            if not line.startswith("data: ") or line == "data: [DONE]":
+                                continue
+                            ev = json.loads(line[6:])
+                            if "error" in ev:
+                                raise RuntimeError(ev["error"].get("message"))
+                            ch = ev.get("choices") or []
+                            if first is None and ch:
+                                first = time.perf_counter()
+                            if ch:
+                                text.append((ch[0].get("delta") or {}).get("content") or ch[0].get("text") or "")
+                            if ev.get("usage"):
+                                usage = ev["usage"]
+                    if first is not None:
+                        (follow_ttfts if follow_up else ttfts).append(first - t0)
+                else:
+                    r = await client.post(path, json=body)
+                    if r.status_code != 200:
+                        raise RuntimeError(f"HTTP {r.status_code}: {r.text[:200]}")
+                    data = r.json()
+                    usage = data.get("usage")
+                    c = data["choices"][0]
+                    text.append((c.get("message") or {}).get("content") or c.get("text") or "")
+                latencies.append(time.perf_counter() - t0)
+                if usage:
+                    tokens["prompt"] += usage["prompt_tokens"]
+                    tokens["completion"] += usage["completion_tokens"]
+            except Exception as e:          # noqa: BLE001 - count and go on
+                errors.append(str(e) or type(e).__name__)
+                return None
+            return "".join(text)
 
         t_start = time.perf_counter()
-        await asyncio.gather(*(one(i) for i in range(num_requests)))
+        await asyncio.gather(*(session(i) for i in range(num_requests)))
         wall = time.perf_counter() - t_start
 
     ok = len(latencies)
     res = {
         "url": base, "model": model, "num_requests": num_requests, "concurrency": concurrency,
-        "max_tokens": max_tokens, "stream": stream, "chat": chat,
+        "max_tokens": max_tokens, "stream": stream, "chat": chat, "turns": turns if chat else 1,
         "completed": ok, "errors": len(errors), "wall_s": wall,
         "requests_per_s": ok / wall if wall > 0 else 0.0,
         "output_tokens_per_s": tokens["completion"] / wall if wall > 0 else 0.0,
@@ -122,6 +148,9 @@ async def _run(url: str, num_requests: int, concurrency: int, max_tokens: int, p
     if stream:
         res["ttft_p50_s"] = _percentile(ttfts, 50)
         res["ttft_p99_s"] = _percentile(ttfts, 99)
+        if follow_ttfts:
+            res["follow_up_ttft_p50_s"] = _percentile(follow_ttfts, 50)
+            res["follow_up_ttft_p99_s"] = _percentile(follow_ttfts, 99)
     if errors:
         res["first_errors"] = errors[:5]
     return res
@@ -130,14 +159,16 @@ async def _run(url: str, num_requests: int, concurrency: int, max_tokens: int, p
 def run_load_test(url: str = "http://127.0.0.1:8000", num_requests: int = 200, concurrency: int = 8,
                   max_tokens: int = 64, prompts: list[str] | None = None, model: str | None = None,
                   api_key: str | None = None, stream: bool = True, chat: bool = False,
-                  temperature: float = 0.0, timeout: float = 600.0, allow_remote: bool = False) -> dict:
+                  temperature: float = 0.0, timeout: float = 600.0, allow_remote: bool = False,
+                  turns: int = 1) -> dict:
     """Run the load test and return its summary (see `format_results`)."""
     if num_requests < 1 or concurrency < 1 or max_tokens < 1:
         raise ValueError("num_requests, concurrency and max_tokens must be >= 1")
     if not allow_remote and not _is_loopback(url):
         raise ValueError(f"{url} is not a loopback address (pass allow_remote=True / --allow-remote)")
     return asyncio.run(_run(url, num_requests, min(concurrency, num_requests), max_tokens,
-                            prompts or DEFAULT_PROMPTS, model, api_key, stream, chat, temperature, timeout))
+                            prompts or DEFAULT_PROMPTS, model, api_key, stream, chat, temperature, timeout,
+                            turns))
 
 
 def format_results(r: dict) -> str:
@@ -150,6 +181,9 @@ def format_results(r: dict) -> str:
              f"mean {r['latency_mean_s'] * 1000:.0f} ms"]
     if "ttft_p50_s" in r:
         lines.append(f"time to first token: p50 {r['ttft_p50_s'] * 1000:.0f} ms, p99 {r['ttft_p99_s'] * 1000:.0f} ms")
+    if "follow_up_ttft_p50_s" in r:
+        lines.append(f"time to first token, follow-up turns: p50 {r['follow_up_ttft_p50_s'] * 1000:.0f} ms, "
+                     f"p99 {r['follow_up_ttft_p99_s'] * 1000:.0f} ms")
     for e in r.get("first_errors", []):
         lines.append(f"error: {e}")
     return "\n".join(lines)
@@ -168,10 +202,16 @@ def main(argv=None) -> None:
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--allow-remote", action="store_true")
     ap.add_argument("--json", action="store_true", help="print the summary as JSON")
+    ap.add_argument("--turns", type=int, default=1, help="chat: user turns per session (multi-turn)")
+    ap.add_argument("--dataset", default=None, help="question.jsonl (MT-bench / Spec-Bench) for the sessions")
     a = ap.parse_args(argv)
-    res = run_load_test(a.url, a.num_requests, a.concurrency, a.max_tokens, model=a.model, api_key=a.api_key,
-                        stream=not a.no_stream, chat=a.chat, temperature=a.temperature,
-                        allow_remote=a.allow_remote)
+    prompts = None
+    if a.dataset:
+        from draftwise.bench.datasets import load_question_jsonl
+        prompts = load_question_jsonl(a.dataset)
+    res = run_load_test(a.url, a.num_requests, a.concurrency, a.max_tokens, prompts=prompts, model=a.model,
+                        api_key=a.api_key, stream=not a.no_stream, chat=a.chat, temperature=a.temperature,
+                        allow_remote=a.allow_remote, turns=a.turns)
     print(json.dumps(res, indent=2) if a.json else format_results(res))
 
 
