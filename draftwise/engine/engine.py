@@ -67,10 +67,34 @@ class LLMEngine:
             # in the tokens and the policy extrapolates
             limit = min(config.max_num_batched_tokens, config.max_num_seqs * (1 + self.num_spec_tokens), 64)
             sizes = sorted({1 << i for i in range(7) if 1 << i < limit} | {limit})
-            self.policy.set_step_costs(self.runner.measure_target_costs(sizes))
+            self.policy.set_step_costs(self._step_costs(sizes))
         self.num_steps = 0
         self._inflight = None                 # async scheduling: (SchedulerOutput, Future) of the running step
         self._pool = None
+
+    def _step_costs(self, sizes) -> dict[int, float]:
+        """The adaptive policy's start-up table of target step costs, measured once per model,
+        execution mode and machine and cached on disk (a restart reads it back)."""
+        import hashlib
+        import json
+        import os
+        from draftwise.config import cache_dir
+        c = self.config
+        key = json.dumps([os.path.abspath(self.model_path), c.quantization, bool(c.enforce_eager), c.dtype, c.device,
+                          torch.get_num_threads(), torch.backends.cpu.get_cpu_capability(), torch.__version__,
+                          c.block_size, c.tensor_parallel_size, list(sizes)])
+        path = os.path.join(cache_dir(), "step_costs", hashlib.sha1(key.encode()).hexdigest()[:16] + ".json")
+        try:
+            with open(path) as f:
+                return {int(k): float(v) for k, v in json.load(f).items()}
+        except (OSError, ValueError):
+            pass
+        costs = self.runner.measure_target_costs(sizes)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path + ".tmp", "w") as f:
+            json.dump(costs, f)
+        os.replace(path + ".tmp", path)
+        return costs
 
     def _start_tensor_parallel(self):
         """Check the sharding fits, then start the worker ranks (rank 0 is this process)."""
