@@ -269,6 +269,9 @@ COSTS = {1: 0.030, 2: 0.031, 4: 0.033, 8: 0.040, 16: 0.080, 32: 0.160, 64: 0.320
 
 
 def test_speculation_policy_cost_model():
+    from draftwise.spec_decode.policy import SpeculationPolicy
+    # a drafter's recorded held-out acceptance is the prior (else 0.5^j)
+    assert SpeculationPolicy(3, prior_acceptance=[0.6, 0.3]).acceptance() == pytest.approx([0.6, 0.3, 0.125])
     pol = _policy(COSTS)
     assert pol.cost(3) == pytest.approx(0.032)
     assert pol.cost(128) == pytest.approx(0.640)

@@ -62,7 +62,8 @@ class LLMEngine:
         self.policy = None
         if self.spec_config is not None and self.spec_config.adaptive:
             from draftwise.spec_decode.policy import SpeculationPolicy
-            self.policy = SpeculationPolicy(self.num_spec_tokens)
+            self.policy = SpeculationPolicy(self.num_spec_tokens,
+                                            prior_acceptance=getattr(self.proposer, "expected_acceptance", None))
             # token counts up to 64 measured (a few seconds at start-up); past that the cost is linear
             # in the tokens and the policy extrapolates
             limit = min(config.max_num_batched_tokens, config.max_num_seqs * (1 + self.num_spec_tokens), 64)

@@ -29,6 +29,14 @@ class EagleProposer(Proposer):
         if len(self._aux) * target_model.config.hidden_size != draft_model.fc.in_features:
             raise ValueError(f"draft fc expects {draft_model.fc.in_features} input features, the target gives "
                              f"{len(self._aux)} x {target_model.config.hidden_size}")
+        # P(first j drafts accepted), from the trainer's held-out evaluation (adaptive policy prior)
+        acc = (raw_config.get("draftwise_training") or {}).get("heldout_acc")
+        self.expected_acceptance = None
+        if isinstance(acc, list) and acc:
+            run, self.expected_acceptance = 1.0, []
+            for a in acc:
+                run *= float(a)
+                self.expected_acceptance.append(run)
         if self.topk > 1:
             # tree verification writes 1 + K nodes, tree drafting writes topk entries per depth
             self.num_lookahead_tokens = max(self.k + 1, self.topk * self.depth + 1)

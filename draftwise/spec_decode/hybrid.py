@@ -25,6 +25,7 @@ class HybridProposer(Proposer):
         self.needs_aux_hidden_states = model.needs_aux_hidden_states
         self.num_lookahead_tokens = model.num_lookahead_tokens
         self.last_sources: list[str | None] = []
+        self.expected_acceptance = getattr(model, "expected_acceptance", None)
 
     @property
     def model(self):

@@ -26,13 +26,15 @@ import math
 
 class SpeculationPolicy:
     def __init__(self, max_k: int, prior: float = 0.5, prior_weight: float = 4.0,
-                 decay: float = 0.995, margin: float = 0.03):
+                 decay: float = 0.995, margin: float = 0.03, prior_acceptance: list[float] | None = None):
         self.max_k = max_k
         self.margin = margin
         self.decay = decay
-        # decayed counts: drafts that reached position j, and those accepted through position j
+        # decayed counts: drafts that reached position j, and those accepted through position j;
+        # the prior is the drafter's held-out acceptance when its checkpoint records one, else 0.5^j
         self.reached = [prior_weight] * max_k
-        self.accepted = [prior_weight * prior ** (j + 1) for j in range(max_k)]
+        rates = list(prior_acceptance or [])
+        self.accepted = [prior_weight * (rates[j] if j < len(rates) else prior ** (j + 1)) for j in range(max_k)]
         self.step_costs: dict[int, float] = {}
         self.draft_costs: dict[tuple[int, int], float] = {}
         self.chosen: dict[tuple[int, int], int] = {}

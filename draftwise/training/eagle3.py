@@ -362,6 +362,7 @@ def train_eagle3(cfg: TrainConfig, progress: bool = True) -> str:
     bar = tqdm(total=cfg.total_steps, initial=step, desc="train eagle3", disable=not progress,
                dynamic_ncols=True)
     t_start = time.time()
+    last_eval = state.get("heldout_acc") if state is not None else None
     model.train()
     while step < cfg.total_steps:
         opt.zero_grad(set_to_none=True)
@@ -393,18 +394,19 @@ def train_eagle3(cfg: TrainConfig, progress: bool = True) -> str:
                "acc": acc, "lr": lr_at(step - 1, cfg), "elapsed_s": time.time() - t_start}
         if heldout and (step % cfg.eval_every == 0 or step == cfg.total_steps):
             rec.update(evaluate(model, teacher, heldout, cfg))
+            last_eval = rec["heldout_acc"]
         with open(log_path, "a") as f:
             f.write(json.dumps(rec) + "\n")
         if step % cfg.save_every == 0 or step == cfg.total_steps:
-            _save(cfg, model, opt, step, data.state(), tokens_seen, d2t, t2d, coverage, aux_layers)
+            _save(cfg, model, opt, step, data.state(), tokens_seen, d2t, t2d, coverage, aux_layers, last_eval)
     bar.close()
     return os.path.join(cfg.out, "export")
 
 
-def _save(cfg, model, opt, step, data_state, tokens_seen, d2t, t2d, coverage, aux_layers):
+def _save(cfg, model, opt, step, data_state, tokens_seen, d2t, t2d, coverage, aux_layers, heldout_acc=None):
     sd = {k: v for k, v in model.state_dict().items() if not k.startswith("embed_tokens")}
     tmp = os.path.join(cfg.out, "trainer_state.pt.tmp")
-    torch.save({"model": sd, "opt": opt.state_dict(), "step": step, "data": data_state,
+    torch.save({"model": sd, "opt": opt.state_dict(), "step": step, "data": data_state, "heldout_acc": heldout_acc,
                 "tokens_seen": tokens_seen, "d2t": d2t, "t2d": t2d, "coverage": coverage,
                 "config": asdict(cfg)}, tmp)
     os.replace(tmp, os.path.join(cfg.out, "trainer_state.pt"))
@@ -413,4 +415,5 @@ def _save(cfg, model, opt, step, data_state, tokens_seen, d2t, t2d, coverage, au
                            {"eagle_aux_hidden_state_layer_ids": list(aux_layers),
                             "draftwise_training": {"steps": step, "tokens_seen": tokens_seen,
                                                    "draft_vocab_coverage": round(coverage, 4),
-                                                   "ttt_steps": cfg.ttt_steps}}, dtype)
+                                                   "ttt_steps": cfg.ttt_steps,
+                                                   "heldout_acc": [round(a, 4) for a in heldout_acc or []]}}, dtype)
