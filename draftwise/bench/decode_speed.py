@@ -1,8 +1,12 @@
-"""Decode throughput of draftwise (compiled graphs and eager) vs Hugging Face `transformers`
-generate, side by side in one process. Each engine is built once; timed runs are interleaved
-round-robin (`--rounds`) and the median is reported, because this machine's timings drift.
+"""Plain-decoding throughput of draftwise engine variants vs Hugging Face `transformers` generate,
+side by side in one process. Each engine is built once; timed runs are interleaved round-robin
+(`--rounds`) and the median is reported, because this machine's timings drift.
 
-`python -m draftwise.bench.decode_speed [--batch-sizes 1,8] [--tokens 64] [--rounds 3]`"""
+`python -m draftwise.bench.decode_speed [--batch-sizes 1,8] [--tokens 64] [--rounds 3]
+    [--variants compiled,eager,transformers]`
+
+Variants: compiled, eager, eager-async (async scheduling), compiled-async, int8, int4 (compiled,
+quantized target), transformers."""
 from __future__ import annotations
 
 import argparse
@@ -23,11 +27,21 @@ def _messages(batch):
     return [[{"role": "user", "content": p}] for p in (PROMPTS * 4)[:batch]]
 
 
+VARIANTS = {
+    "compiled": {"enforce_eager": False},
+    "eager": {"enforce_eager": True},
+    "eager-async": {"enforce_eager": True, "async_scheduling": True},
+    "compiled-async": {"enforce_eager": False, "async_scheduling": True},
+    "int8": {"enforce_eager": False, "quantization": "int8"},
+    "int4": {"enforce_eager": False, "quantization": "int4"},
+}
+
+
 class DraftwiseRunner:
-    def __init__(self, model: str, batch: int, tokens: int, enforce_eager: bool):
+    def __init__(self, model: str, batch: int, tokens: int, **kw):
         from draftwise import LLM, SamplingParams
         t0 = time.perf_counter()
-        self.llm = LLM(model, max_model_len=1024, max_num_seqs=batch, enforce_eager=enforce_eager)
+        self.llm = LLM(model, max_model_len=1024, max_num_seqs=batch, speculative_config=None, **kw)
         self.startup_s = time.perf_counter() - t0
         self.prompts = [self.llm.apply_chat_template(m) for m in _messages(batch)]
         self.sp = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
@@ -71,28 +85,32 @@ def main(argv=None) -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--variants", default="compiled,eager,transformers")
     a = ap.parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)
-    rows = []
+    names = a.variants.split(",")
+    bad = [n for n in names if n not in VARIANTS and n != "transformers"]
+    if bad:
+        raise SystemExit(f"unknown variants {bad}; known: {', '.join(list(VARIANTS) + ['transformers'])}")
+    base = names[-1] if "transformers" not in names else "transformers"
+    print(f"| batch | " + " | ".join(f"{n} tok/s" for n in names) + " | " +
+          " | ".join(f"{n} / {base}" for n in names if n != base) + " |")
+    print("|---|" + "---|" * (2 * len(names) - 1))
     for b in [int(x) for x in a.batch_sizes.split(",")]:
-        runners = {"compiled": DraftwiseRunner(a.model, b, a.tokens, enforce_eager=False),
-                   "eager": DraftwiseRunner(a.model, b, a.tokens, enforce_eager=True),
-                   "transformers": HFRunner(a.model, b, a.tokens)}
+        runners = {n: (HFRunner(a.model, b, a.tokens) if n == "transformers"
+                       else DraftwiseRunner(a.model, b, a.tokens, **VARIANTS[n])) for n in names}
         res = {k: [] for k in runners}
         for _ in range(a.rounds):
             for k, run in runners.items():
                 res[k].append(run())
         med = {k: statistics.median(v) for k, v in res.items()}
-        rows.append((b, med, runners["compiled"].startup_s))
+        print(f"| {b} | " + " | ".join(f"{med[n]:.1f}" for n in names) + " | " +
+              " | ".join(f"{med[n] / med[base]:.2f}x" for n in names if n != base) + " |", flush=True)
+        for run in runners.values():
+            if hasattr(run, "llm"):
+                run.llm.shutdown()
         del runners
-    print("| batch | draftwise compiled tok/s | draftwise eager tok/s | transformers tok/s | "
-          "compiled / transformers | eager / transformers | start-up (compiled) |")
-    print("|---|---|---|---|---|---|---|")
-    for b, m, st in rows:
-        h = m["transformers"]
-        print(f"| {b} | {m['compiled']:.1f} | {m['eager']:.1f} | {h:.1f} | {m['compiled'] / h:.2f}x | "
-              f"{m['eager'] / h:.2f}x | {st:.0f} s |", flush=True)
 
 
 if __name__ == "__main__":
