@@ -94,7 +94,7 @@ def main(argv=None) -> None:
     if bad:
         raise SystemExit(f"unknown variants {bad}; known: {', '.join(list(VARIANTS) + ['transformers'])}")
     base = names[-1] if "transformers" not in names else "transformers"
-    print(f"| batch | " + " | ".join(f"{n} tok/s" for n in names) + " | " +
+    print("| batch | " + " | ".join(f"{n} tok/s" for n in names) + " | " +
           " | ".join(f"{n} / {base}" for n in names if n != base) + " |")
     print("|---|" + "---|" * (2 * len(names) - 1))
     for b in [int(x) for x in a.batch_sizes.split(",")]:
