@@ -17,6 +17,7 @@ from draftwise.models.loader import DEFAULT_MODEL
 
 PRESETS = {
     "ar": None,
+    "auto": "auto",                    # the default configuration (entrypoints/llm.py)
     "eagle3": {"method": "eagle3", "num_speculative_tokens": 5},
     "eagle3-k3": {"method": "eagle3", "num_speculative_tokens": 3},
     # tree settings chosen from a sweep on MT-bench prompts with the shipped head (see README)
