@@ -21,7 +21,7 @@ def _mt_prompts(n):
 
 @pytest.fixture(scope="module")
 def smol():
-    return LLM(max_model_len=1024, max_num_seqs=8)
+    return LLM(max_model_len=1024, max_num_seqs=8, speculative_config=None)
 
 
 def test_greedy_matches_transformers_on_mt_bench(smol):
@@ -42,6 +42,9 @@ def test_greedy_matches_transformers_on_mt_bench(smol):
     {"method": "eagle3", "num_speculative_tokens": 5},
     {"method": "eagle3", "num_speculative_tokens": 8, "eagle_topk": 2, "eagle_depth": 4},
     {"method": "ngram", "num_speculative_tokens": 5},
+    {"method": "dflash"},
+    {"method": "suffix"},
+    "auto",
 ])
 def test_shipped_drafter_is_lossless(smol, spec):
     prompts = [smol.apply_chat_template([{"role": "user", "content": q}]) for q in _mt_prompts(4)]
@@ -50,3 +53,13 @@ def test_shipped_drafter_is_lossless(smol, spec):
     llm = LLM(max_model_len=1024, max_num_seqs=8, speculative_config=spec)
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, sp)] == ref
     assert llm.get_metrics()["spec_decode"]["num_drafts"] > 0
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_quantized_speculation_is_lossless_on_smollm2(mode):
+    prompts = [[{"role": "user", "content": q}] for q in _mt_prompts(3)]
+    sp = SamplingParams(temperature=0, max_tokens=48)
+    ref = LLM(max_model_len=1024, speculative_config=None, quantization=mode).chat(prompts, sp)
+    llm = LLM(max_model_len=1024, quantization=mode,
+              speculative_config={"method": "eagle3", "num_speculative_tokens": 3, "hybrid": "suffix"})
+    assert [o.outputs[0].token_ids for o in llm.chat(prompts, sp)] == [o.outputs[0].token_ids for o in ref]
