@@ -115,3 +115,31 @@ def write_dflash_checkpoint(path, target_cfg: dict, block_size=4, num_layers=2, 
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(cfg, f)
     return path
+
+
+class TargetFeaturizer:
+    """Runs a target over one sequence (one prefill through a scratch paged cache) and returns
+    (aux states [L, k*H], logits [L, V]): the reference for recorded / trained features."""
+
+    def __init__(self, target, max_len: int, block_size: int = 64):
+        import math
+        from draftwise.engine.kv_cache import KVCache
+        self.target = target
+        cfg = target.config
+        self.block_size = block_size
+        nblocks = math.ceil(max_len / block_size)
+        specs = [(cfg.num_key_value_heads, cfg.head_dim)] * cfg.num_hidden_layers
+        w = target.embed_tokens.weight
+        self.cache = KVCache(nblocks, block_size, specs, w.dtype, w.device)
+        self.block_table = torch.arange(nblocks, device=w.device)[None, :]
+
+    @torch.no_grad()
+    def __call__(self, ids: list[int], rows: torch.Tensor | None = None):
+        from draftwise.layers.attention import CAUSAL, AttentionMetadata
+        dev = self.block_table.device
+        L = len(ids)
+        pos = torch.arange(L, device=dev)
+        meta = AttentionMetadata(pos.clone(), [L], [L], self.block_table, self.block_size, CAUSAL).finalize()
+        out = self.target(torch.tensor(ids, device=dev), pos, meta, self.cache,
+                          logits_indices=pos if rows is None else rows.to(dev))
+        return out.aux_hidden_states.clone(), out.logits.clone()

@@ -18,25 +18,9 @@ import torch
 
 
 def heldout_examples(tokenizer, n: int, max_len: int):
-    from draftwise.training.data import is_heldout, iter_sharegpt, to_messages
-    out = []
-    for rec in iter_sharegpt():
-        if not is_heldout(rec.get("id", "")):
-            continue
-        msgs = to_messages(rec)
-        if not msgs:
-            continue
-        ids, mask = [], []
-        for m in msgs:
-            piece = tokenizer.apply_chat_template([m], tokenize=False)
-            t = tokenizer(piece, add_special_tokens=False).input_ids
-            ids += t
-            mask += [1 if m["role"] == "assistant" else 0] * len(t)
-        if sum(mask[:max_len]) >= 8:
-            out.append((ids[:max_len], mask[:max_len]))
-        if len(out) >= n:
-            break
-    return out
+    """(token ids, assistant mask) of the first n held-out ShareGPT conversations."""
+    from draftwise.training.data import iter_examples
+    return [(ex.input_ids, ex.loss_mask) for _, ex in zip(range(n), iter_examples(tokenizer, None, "heldout", max_len))]
 
 
 @torch.inference_mode()

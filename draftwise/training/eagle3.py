@@ -18,8 +18,6 @@ from dataclasses import asdict, dataclass
 import torch
 
 from draftwise.config import ModelConfig
-from draftwise.engine.kv_cache import KVCache
-from draftwise.layers.attention import CAUSAL, AttentionMetadata
 from draftwise.models.eagle3 import Eagle3LlamaForCausalLM, save_eagle3_checkpoint
 
 
@@ -48,35 +46,6 @@ class TrainConfig:
     seed: int = 0
     threads: int | None = None
     export_dtype: str = "float16"
-
-
-# ---------------------------------------------------------------------------------------------
-# target features
-# ---------------------------------------------------------------------------------------------
-class TargetFeaturizer:
-    """Runs our target over one sequence and returns (aux states [L, k*H], logits [L, V])."""
-
-    def __init__(self, target, max_len: int, block_size: int = 64):
-        self.target = target
-        cfg = target.config
-        self.block_size = block_size
-        nblocks = math.ceil(max_len / block_size)
-        specs = [(cfg.num_key_value_heads, cfg.head_dim)] * cfg.num_hidden_layers
-        dtype = target.embed_tokens.weight.dtype
-        device = target.embed_tokens.weight.device
-        self.cache = KVCache(nblocks, block_size, specs, dtype, device)
-        self.block_table = torch.arange(nblocks, device=device)[None, :]
-
-    @torch.no_grad()
-    def __call__(self, ids: list[int], rows: torch.Tensor | None = None):
-        dev = self.block_table.device
-        L = len(ids)
-        pos = torch.arange(L, device=dev)
-        slots = pos.clone()  # block table is the identity
-        meta = AttentionMetadata(slots, [L], [L], self.block_table, self.block_size, CAUSAL).finalize()
-        out = self.target(torch.tensor(ids, device=dev), pos, meta, self.cache,
-                          logits_indices=pos if rows is None else rows.to(dev))
-        return out.aux_hidden_states.clone(), out.logits.clone()
 
 
 # ---------------------------------------------------------------------------------------------
