@@ -6,7 +6,7 @@ side by side in one process. Each engine is built once; timed runs are interleav
     [--variants compiled,eager,transformers]`
 
 Variants: compiled, eager, eager-async (async scheduling), compiled-async, int8, int4 (compiled,
-quantized target), transformers."""
+quantized target), tp2 (tensor parallelism over 2 processes, eager), transformers."""
 from __future__ import annotations
 
 import argparse
@@ -34,6 +34,7 @@ VARIANTS = {
     "compiled-async": {"enforce_eager": False, "async_scheduling": True},
     "int8": {"enforce_eager": False, "quantization": "int8"},
     "int4": {"enforce_eager": False, "quantization": "int4"},
+    "tp2": {"enforce_eager": True, "tensor_parallel_size": 2},
 }
 
 
@@ -43,7 +44,9 @@ class DraftwiseRunner:
         t0 = time.perf_counter()
         self.llm = LLM(model, max_model_len=1024, max_num_seqs=batch, speculative_config=None, **kw)
         self.startup_s = time.perf_counter() - t0
-        self.prompts = [self.llm.apply_chat_template(m) for m in _messages(batch)]
+        tok = self.llm.tokenizer
+        self.prompts = ([self.llm.apply_chat_template(m) for m in _messages(batch)] if tok is not None
+                        else [{"prompt_token_ids": list(range(10 + i, 40 + i))} for i in range(batch)])
         self.sp = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
         self.llm.generate(self.prompts[:1], SamplingParams(temperature=0, max_tokens=4))
 
