@@ -59,7 +59,45 @@ def load_humaneval(n: int) -> list[list[str]]:
     return [[f"Complete this Python function:\n{r['prompt']}"] for r in rows[:n]]
 
 
+# A repetitive workload: multi-turn code edits, where the answers repeat the code the prompt (and the
+# previous answer) already contains - the case training-free drafters (suffix, n-gram) are made for.
+_CODE = [
+    ("def mean(values):\n    total = 0\n    for v in values:\n        total += v\n    return total / len(values)",
+     "total", "running_sum"),
+    ("def count_words(text):\n    counts = {}\n    for word in text.split():\n        word = word.lower()\n"
+     "        counts[word] = counts.get(word, 0) + 1\n    return counts", "counts", "frequencies"),
+    ("def fizzbuzz(n):\n    out = []\n    for i in range(1, n + 1):\n        if i % 15 == 0:\n"
+     "            out.append('FizzBuzz')\n        elif i % 3 == 0:\n            out.append('Fizz')\n"
+     "        elif i % 5 == 0:\n            out.append('Buzz')\n        else:\n            out.append(str(i))\n"
+     "    return out", "out", "result"),
+    ("def is_palindrome(s):\n    cleaned = ''.join(c.lower() for c in s if c.isalnum())\n"
+     "    return cleaned == cleaned[::-1]", "cleaned", "normalized"),
+    ("def merge_sorted(a, b):\n    i, j, merged = 0, 0, []\n    while i < len(a) and j < len(b):\n"
+     "        if a[i] <= b[j]:\n            merged.append(a[i])\n            i += 1\n        else:\n"
+     "            merged.append(b[j])\n            j += 1\n    return merged + a[i:] + b[j:]", "merged", "output"),
+    ("def flatten(nested):\n    flat = []\n    for item in nested:\n        if isinstance(item, list):\n"
+     "            flat.extend(flatten(item))\n        else:\n            flat.append(item)\n    return flat",
+     "flat", "items"),
+    ("def fib(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a", "a", "current"),
+    ("def word_lengths(sentence):\n    lengths = []\n    for word in sentence.split():\n"
+     "        lengths.append(len(word))\n    return lengths", "lengths", "sizes"),
+]
+
+
+def load_code_edits(n: int | None) -> list[list[str]]:
+    convs = []
+    for code, old, new in _CODE:
+        convs.append([f"Here is a Python function:\n```python\n{code}\n```\nAdd a docstring and show the "
+                      "complete function.",
+                      f"Now rename the variable `{old}` to `{new}` and show the complete function again."])
+    return convs[:n] if n else convs
+
+
 def load_prompts(dataset: str, n: int | None) -> list[list[str]]:
+    """`dataset`: a question.jsonl path (MT-bench / Spec-Bench), 'sharegpt' (held-out first turns),
+    'humaneval', or 'code-edits' (built-in multi-turn code edits: a repetitive workload)."""
+    if dataset == "code-edits":
+        return load_code_edits(n)
     if dataset == "sharegpt":
         return load_sharegpt_heldout(n or 20)
     if dataset == "humaneval":

@@ -41,7 +41,8 @@ def add_bench_args(p) -> None:
     p.add_argument("--methods", default="ar,eagle3,ngram",
                    help=f"comma list of {', '.join(list(PRESETS) + list(PEERS))} or name=JSON speculative config")
     p.add_argument("--dataset", default="../shared/data/mt_bench/question.jsonl",
-                   help="question.jsonl path (Spec-Bench / MT-bench), 'sharegpt' or 'humaneval'")
+                   help="question.jsonl path (Spec-Bench / MT-bench), 'sharegpt', 'humaneval' or 'code-edits' "
+                        "(built-in repetitive multi-turn code edits)")
     p.add_argument("--num-prompts", type=int, default=None)
     p.add_argument("--stride", type=int, default=1, help="take every n-th conversation (e.g. 10: one per MT-bench category)")
     p.add_argument("--sweep", default=None, help="comma list of batch sizes: throughput sweep instead of one run")
