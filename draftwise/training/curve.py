@@ -23,14 +23,22 @@ def plot_curve(log_path: str, out_png: str, title: str = "") -> list[dict]:
         toks = [r["tokens"] for r in ev]
         for i in range(len(ev[0]["heldout_acc"])):
             a1.plot(toks, [r["heldout_acc"][i] for r in ev], marker="o", label=f"step {i}")
-        # DFlash logs the measured block acceptance; EAGLE-3 logs conditional per-step accuracies
-        a2.plot(toks, [r.get("heldout_acceptance_length") or expected_acceptance_length(r["heldout_acc"])
-                       for r in ev], marker="o")
+        # DFlash logs the measured block acceptance; EAGLE-3 logs the simulated greedy chain
+        # acceptance (K = 3, 5, 7) - older logs only the per-step accuracies
+        sims = ev[-1].get("heldout_simulated_acceptance") or {}
+        if sims:
+            for k in sims:
+                a2.plot(toks, [(r.get("heldout_simulated_acceptance") or {}).get(k) for r in ev], marker="o",
+                        label=f"chain, K={k[1:]}")
+            a2.legend()
+        else:
+            a2.plot(toks, [r.get("heldout_acceptance_length") or expected_acceptance_length(r["heldout_acc"])
+                           for r in ev], marker="o")
     a1.set_xlabel("training tokens")
     a1.set_ylabel("held-out top-1 accuracy")
     a1.legend()
     a2.set_xlabel("training tokens")
-    a2.set_ylabel("implied mean acceptance length")
+    a2.set_ylabel("held-out mean acceptance length")
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(out_png, dpi=110)
