@@ -114,15 +114,18 @@ def _tiny_target_with_tokenizer(path, seed=4):
 
 
 def _prompts_jsonl(path, n, offset=0):
+    """Prompts sharing a long common prefix (several KV blocks: prefix caching must not skip rows)."""
+    shared = " ".join(TEXT) + " " + " ".join(TEXT)
     with open(path, "w") as f:
         for i in range(n):
-            f.write(json.dumps({"prompt": TEXT[(i + offset) % 4] + " " + TEXT[(i + offset + 1) % 4][: 5 + i]}) + "\n")
+            f.write(json.dumps({"prompt": shared + TEXT[(i + offset) % 4] + " " + TEXT[(i + offset + 1) % 4][: 5 + i]})
+                    + "\n")
     return path
 
 
 def _gen(tdir, prompts, out, **kw):
     from draftwise.training.gen_data import GenDataConfig, generate_data
-    cfg = dict(out=out, target=tdir, data=prompts, max_prompt_tokens=80, max_tokens=24, batch_size=4,
+    cfg = dict(out=out, target=tdir, data=prompts, max_prompt_tokens=400, max_tokens=24, batch_size=4,
                shard_sequences=5, threads=1)
     cfg.update(kw)
     return generate_data(GenDataConfig(**cfg), progress=False)
@@ -196,6 +199,18 @@ def test_gen_data_records_the_targets_hidden_states(tmp_path):
     stats = _gen(tdir, prompts, out, greedy_fraction=1.0)
     assert stats["sequences"] == 3
     assert sorted(s.prompt_index for s in iter_shard_sequences(out, layers)) == list(range(7))
+    # teacher-forced: the conversations' own replies, read in one prefill; every row recorded
+    conv = str(tmp_path / "sharegpt.json")
+    _sharegpt(conv, 6)
+    tf = str(tmp_path / "tf")
+    _gen(tdir, conv, tf, teacher_forced=True)
+    seqs = list(iter_shard_sequences(tf, layers))
+    assert seqs
+    for s in seqs:
+        L = len(s)
+        aux, _ = feat(s.input_ids.tolist())
+        torch.testing.assert_close(s.aux.float(), aux.half().float(), atol=2e-2, rtol=1e-2)
+        assert 0 < int(s.loss_mask.sum()) < L
 
 
 def test_train_eagle3_end_to_end(tmp_path):
@@ -205,7 +220,7 @@ def test_train_eagle3_end_to_end(tmp_path):
     _gen(tdir, _prompts_jsonl(str(tmp_path / "p.jsonl"), 12), data)
     _gen(tdir, _prompts_jsonl(str(tmp_path / "h.jsonl"), 3, offset=2), held)
     out = str(tmp_path / "run")
-    cfg = TrainConfig(target=tdir, out=out, data=data, eval_data=held, max_len=96, ttt_steps=3,
+    cfg = TrainConfig(target=tdir, out=out, data=data, eval_data=held, max_len=256, ttt_steps=3,
                       draft_vocab_size=64, vocab_sequences=16, lr=3e-3, warmup_steps=1, total_steps=3,
                       tokens_per_step=150, save_every=2, eval_every=3, eval_sequences=2, threads=1)
     export = train_eagle3(cfg, progress=False)

@@ -294,6 +294,7 @@ def train_dflash(cfg: DFlashTrainConfig, progress: bool = True) -> str:
     heldout = []
     if cfg.eval_data:
         heldout = [s for _, s in zip(range(cfg.eval_sequences), iter_shard_sequences(cfg.eval_data, capture))]
+        heldout = [s.truncate(cfg.max_len) for s in heldout]
     log_path = os.path.join(cfg.out, "train_log.jsonl")
     bar = tqdm(total=cfg.total_steps, initial=step, desc="train dflash", disable=not progress,
                dynamic_ncols=True)

@@ -328,6 +328,7 @@ def train_eagle3(cfg: TrainConfig, progress: bool = True) -> str:
     heldout = []
     if cfg.eval_data:
         heldout = [s for _, s in zip(range(cfg.eval_sequences), iter_shard_sequences(cfg.eval_data, aux_layers))]
+        heldout = [s.truncate(cfg.max_len) for s in heldout]
     bar = tqdm(total=cfg.total_steps, initial=step, desc="train eagle3", disable=not progress,
                dynamic_ncols=True)
     t_start = time.time()

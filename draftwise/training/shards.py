@@ -37,6 +37,11 @@ class ShardSequence:
     def __len__(self) -> int:
         return int(self.input_ids.shape[0])
 
+    def truncate(self, n: int) -> "ShardSequence":
+        if len(self) <= n:
+            return self
+        return ShardSequence(self.input_ids[:n], self.loss_mask[:n], self.aux[:n], self.final[:n], self.prompt_index)
+
 
 def shard_paths(directory: str) -> list[str]:
     return sorted(glob.glob(os.path.join(directory, "shard_*.safetensors")))
@@ -181,10 +186,7 @@ class ShardStream:
             if self.seq_pos < len(seqs):
                 s = seqs[self.seq_pos]
                 self.seq_pos += 1
-                if len(s) > self.max_len:
-                    s = ShardSequence(s.input_ids[:self.max_len], s.loss_mask[:self.max_len],
-                                      s.aux[:self.max_len], s.final[:self.max_len], s.prompt_index)
-                return s
+                return s.truncate(self.max_len)
             self.shard_pos += 1
             self.seq_pos = 0
         raise ValueError(f"the shards in {self.directory!r} hold no usable sequences")
