@@ -44,7 +44,12 @@ class ShardSequence:
 
 
 def shard_paths(directory: str) -> list[str]:
-    return sorted(glob.glob(os.path.join(directory, "shard_*.safetensors")))
+    """The shards of a directory, or of several comma-separated directories (e.g. self-distilled and
+    teacher-forced data trained together)."""
+    out = []
+    for d in directory.split(","):
+        out += sorted(glob.glob(os.path.join(d, "shard_*.safetensors")))
+    return out
 
 
 def write_shard(path: str, seqs: list[ShardSequence], aux_layers: tuple[int, ...], meta: dict) -> None:
@@ -148,7 +153,7 @@ class ShardStream:
         self._new_epoch(0)
 
     def _new_epoch(self, epoch: int) -> None:
-        paths = [os.path.basename(p) for p in shard_paths(self.directory)]
+        paths = shard_paths(self.directory)
         if not paths:
             raise ValueError(f"no data shards (shard_*.safetensors) in {self.directory!r}; "
                              "run `draftwise train gen-data` first")
@@ -168,9 +173,9 @@ class ShardStream:
 
     def _sequences(self, name: str) -> list[ShardSequence]:
         if self._loaded is None or self._loaded[0] != name:
-            seqs = list(iter_shard_sequences(self.directory, self.aux_layers,
-                                             shards=[os.path.join(self.directory, name)]))
-            g = torch.Generator().manual_seed(self.seed * 104729 + self.epoch * 31 + hash_name(name))
+            path = name if os.path.exists(name) else os.path.join(self.directory.split(",")[0], name)
+            seqs = list(iter_shard_sequences(self.directory, self.aux_layers, shards=[path]))
+            g = torch.Generator().manual_seed(self.seed * 104729 + self.epoch * 31 + hash_name(os.path.basename(name)))
             seqs = [seqs[i] for i in torch.randperm(len(seqs), generator=g).tolist()]
             self._loaded = (name, seqs)
         return self._loaded[1]
