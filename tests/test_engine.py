@@ -159,3 +159,27 @@ def test_mixed_prefill_and_decode_attention_groups(monkeypatch, kind):
     one = AttentionMetadata(slots, qlens, slens, bt, bs, kind).finalize()
     assert len(one.groups) == 1
     torch.testing.assert_close(grouped, A.paged_attention(q, k, v, kc.clone(), vc.clone(), one, 0.3))
+
+
+def test_row_invariant_attention_equals_decoding_each_row_alone():
+    """Row-invariant mode (quantized targets): a 5-row causal query gives, bit for bit, what five
+    one-row decode steps give."""
+    import draftwise.layers.attention as A
+    torch.manual_seed(0)
+    bs, Hkv, H, D = 4, 2, 4, 8
+    bt = torch.randperm(16)[:12].view(1, 12)
+    kc, vc = torch.randn(16 * bs, Hkv, D), torch.randn(16 * bs, Hkv, D)
+    q, k, v = torch.randn(5, H, D), torch.randn(5, Hkv, D), torch.randn(5, Hkv, D)
+    pos = torch.arange(20, 25)
+    slots = A.slots_for_positions(bt, torch.zeros(5, dtype=torch.long), pos, bs)
+    kc1, vc1 = kc.clone(), vc.clone()
+    meta = AttentionMetadata(slots, [5], [25], bt, bs, CAUSAL, row_invariant=True).finalize()
+    together = A.paged_attention(q, k, v, kc1, vc1, meta, 0.3)
+    kc2, vc2 = kc.clone(), vc.clone()
+    alone = [A.paged_attention(q[i:i + 1], k[i:i + 1], v[i:i + 1], kc2, vc2,
+                               AttentionMetadata(slots[i:i + 1], [1], [21 + i], bt, bs, CAUSAL,
+                                                 row_invariant=True).finalize(), 0.3) for i in range(5)]
+    assert torch.equal(together, torch.cat(alone))
+    plain = A.paged_attention(q, k, v, kc.clone(), vc.clone(),
+                              AttentionMetadata(slots, [5], [25], bt, bs, CAUSAL).finalize(), 0.3)
+    torch.testing.assert_close(together, plain)

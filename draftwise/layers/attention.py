@@ -74,7 +74,14 @@ class AttentionMetadata:
     #   earlier entries are always visible. tree_kv_lens defaults to query_lens (verification);
     #   tree *drafting* passes cover all tree entries written so far.
     tree_kv_lens: list[int] | None = None
+    # row-invariant attention: every query row of a short causal query (decode, chain verification)
+    # attends alone (one SDPA call over exactly its keys, no padding, no mask), exactly as plain
+    # decoding of that token at batch 1 would - so a verified token's K/V and logits do not depend on
+    # how many drafts or requests shared its step (quantized targets round activations to bf16,
+    # which turns last-bit differences into different outputs). Costs one call per row and layer.
+    row_invariant: bool = False
     groups: list[AttentionGroup] | None = None   # derived by finalize()
+    row_plan: list | None = None                 # row-invariant short queries (finalize)
 
     @property
     def num_reqs(self) -> int:
@@ -86,7 +93,14 @@ class AttentionMetadata:
         R = len(self.query_lens)
         short = [r for r in range(R) if self.query_lens[r] <= MAX_BATCHED_QUERY]
         long_ = [r for r in range(R) if self.query_lens[r] > MAX_BATCHED_QUERY]
+        self.row_plan = None
+        if self.row_invariant and self.mask_kind == CAUSAL:
+            self.row_plan = self._row_plan()
+            short = []                           # attended row by row (paged_attention)
         parts = ([short] if short else []) + [[r] for r in long_]
+        if not parts:
+            self.groups = []
+            return self
         if len(parts) == 1:
             self.groups = [self._group(parts[0], None)]
             return self
@@ -99,6 +113,20 @@ class AttentionMetadata:
             rows = torch.cat([torch.arange(starts[r], starts[r + 1]) for r in reqs]).to(dev)
             self.groups.append(self._group(reqs, rows))
         return self
+
+    def _row_plan(self) -> list:
+        """Row-invariant mode: (first row, seq_len of each row, key slots of the longest) for every
+        short causal query; its rows attend one at a time over exactly their own keys."""
+        dev = self.block_tables.device
+        plan, start = [], 0
+        for r, (q, s) in enumerate(zip(self.query_lens, self.seq_lens)):
+            if q <= MAX_BATCHED_QUERY:
+                j = torch.arange(s, device=dev)
+                blk = torch.clamp(j // self.block_size, max=self.block_tables.shape[1] - 1)
+                slots = self.block_tables[r, blk] * self.block_size + j % self.block_size
+                plan.append((start, list(range(s - q + 1, s + 1)), slots))
+            start += q
+        return plan
 
     def _group(self, reqs: list[int], token_rows) -> AttentionGroup:
         dev = self.block_tables.device
@@ -179,12 +207,30 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """q: [T, H, D]; k, v: [T, Hkv, D]; caches: [num_slots, Hkv, D]. Returns [T, H, D]."""
     k_cache.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
     v_cache.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
-    if len(meta.groups) == 1:
+    if len(meta.groups) == 1 and not meta.row_plan:
         return _attend_group(q, k_cache, v_cache, meta.groups[0], scale)
     out = torch.empty_like(q)
     for g in meta.groups:
         out[g.token_rows] = _attend_group(q[g.token_rows], k_cache, v_cache, g, scale)
+    if meta.row_plan:
+        _attend_rows(q, k_cache, v_cache, meta.row_plan, scale, out)
     return out
+
+
+def _attend_rows(q, k_cache, v_cache, plan, scale: float, out: torch.Tensor) -> None:
+    """Row-invariant attention: each row alone over exactly its own keys (a prefix of its request's
+    keys, gathered once), the computation plain decoding at batch 1 does for that token."""
+    T, H, D = q.shape
+    Hkv = k_cache.shape[1]
+    G = H // Hkv
+    for start, seq_lens, slots in plan:
+        keys = k_cache.index_select(0, slots).unsqueeze(0).transpose(1, 2)      # [1, Hkv, L, D]
+        vals = v_cache.index_select(0, slots).unsqueeze(0).transpose(1, 2)
+        for i, s in enumerate(seq_lens):
+            qg = q[start + i].reshape(1, Hkv, G, D)
+            o = F.scaled_dot_product_attention(qg, keys[:, :, :s].to(q.dtype), vals[:, :, :s].to(q.dtype),
+                                               scale=scale)
+            out[start + i] = o.reshape(H, D)
 
 
 def _attend_group(q, k_cache, v_cache, g: AttentionGroup, scale: float) -> torch.Tensor:

@@ -204,7 +204,8 @@ class ModelRunner:
         if any_tree:
             tree_mask = self._tree_verify_mask(scheds, max(qlens))
         meta = AttentionMetadata(slot_mapping, qlens, seqlens, block_tables, self.block_size,
-                                 TREE if any_tree else CAUSAL, tree_mask).finalize()
+                                 TREE if any_tree else CAUSAL, tree_mask,
+                                 row_invariant=self.config.quantization is not None).finalize()
         cu = torch.cumsum(torch.tensor(qlens), 0).tolist()
         num_draft = [s.num_draft_tokens for s in scheds]
         sampling = self._sampling_metadata(reqs)
