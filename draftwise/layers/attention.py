@@ -101,7 +101,7 @@ class AttentionMetadata:
         if not parts:
             self.groups = []
             return self
-        if len(parts) == 1:
+        if len(parts) == 1 and not self.row_plan:     # one group covers every row
             self.groups = [self._group(parts[0], None)]
             return self
         starts = [0]
