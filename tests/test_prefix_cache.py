@@ -77,3 +77,20 @@ def test_eviction_under_a_small_pool(tiny_llama):
     # concurrent requests that do not fit preempt each other; outputs stay the same
     assert _ids(llm.generate([{"prompt_token_ids": p} for p in prompts[:6]], GREEDY)) == ref[:6]
     assert all(r == 0 for r in alloc.ref)
+
+
+def test_cached_blocks_do_not_depend_on_speculation(tiny_llama):
+    """A request cut at max_tokens in the middle of accepted drafts computed K/V past its end; only
+    the blocks plain decoding would have computed (the final sequence but its last token) are cached,
+    so later requests' prefix hits are the same with and without speculation."""
+    path, _ = tiny_llama
+    prompt = [5, 6, 7, 8, 9, 10, 11, 12] * 4
+    spec = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 1}
+    for max_tokens in range(6, 14):
+        sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        caches = []
+        for cfg in (None, spec):
+            llm = LLM(path, block_size=4, max_model_len=128, speculative_config=cfg)
+            out = llm.generate([{"prompt_token_ids": prompt}], sp)[0].outputs[0].token_ids
+            caches.append((out, set(llm.engine.scheduler.allocator.cached)))
+        assert caches[0] == caches[1], max_tokens

@@ -127,9 +127,10 @@ class Scheduler:
         hits = self.allocator.lookup(hashes)
         return hits, hashes[:len(hits)]
 
-    def _register_full_blocks(self, req: Request, token_ids: list[int]) -> None:
-        """Cache the request's newly full computed blocks under their chained hashes."""
-        n_full = min(req.num_computed_tokens // self.block_size, len(req.block_ids))
+    def _register_full_blocks(self, req: Request, token_ids: list[int], num_computed: int) -> None:
+        """Cache the request's newly full blocks among its first `num_computed` (computed) tokens
+        under their chained hashes."""
+        n_full = min(num_computed // self.block_size, len(req.block_ids))
         have = len(req.block_hashes)
         if not self.allocator.enable_caching or n_full <= have:
             return
@@ -225,19 +226,25 @@ class Scheduler:
         if req.is_finished:
             return []
         req.num_computed_tokens = sched.start_pos + sched.num_prefix_tokens + num_accepted
-        if self.allocator.enable_caching:
-            self._register_full_blocks(req, req.all_token_ids + list(new_token_ids))
         req.spec_token_ids = []
         req.spec_tree = None
-        appended = []
+        appended, reason = [], None
         p = req.params
         for tok in new_token_ids:
             req.output_token_ids.append(tok)
             appended.append(tok)
             if tok in req.eos_token_ids or tok in p.stop_token_ids:
-                self.finish(req, "stop")
+                reason = "stop"
                 break
             if len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.config.max_model_len:
-                self.finish(req, "length")
+                reason = "length"
                 break
+        if self.allocator.enable_caching:
+            # cache only the blocks plain decoding would have computed: the final sequence but its
+            # last token. Accepted drafts cut at a stop condition have K/V too, but caching them would
+            # make a later request's prefix hits (and, on a quantized target, whether a token's K/V
+            # comes from a decode row or a prefill row) depend on speculation.
+            self._register_full_blocks(req, req.all_token_ids, min(req.num_computed_tokens, req.num_tokens - 1))
+        if reason is not None:
+            self.finish(req, reason)
         return appended
