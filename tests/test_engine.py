@@ -161,27 +161,29 @@ def test_mixed_prefill_and_decode_attention_groups(monkeypatch, kind):
     torch.testing.assert_close(grouped, A.paged_attention(q, k, v, kc.clone(), vc.clone(), one, 0.3))
 
 
-def test_row_invariant_attention_equals_decoding_each_row_alone():
-    """Row-invariant mode (quantized targets): a 5-row causal query gives, bit for bit, what five
-    one-row decode steps give."""
+@pytest.mark.parametrize("n", [5, 24])
+def test_row_invariant_attention_equals_decoding_each_row_alone(n):
+    """Row-invariant mode (quantized targets): an n-row causal query (decode, or verification of
+    n - 1 drafts, longer than the batched-query limit too) gives, bit for bit, what n one-row decode
+    steps give."""
     import draftwise.layers.attention as A
     torch.manual_seed(0)
     bs, Hkv, H, D = 4, 2, 4, 8
     bt = torch.randperm(16)[:12].view(1, 12)
     kc, vc = torch.randn(16 * bs, Hkv, D), torch.randn(16 * bs, Hkv, D)
-    q, k, v = torch.randn(5, H, D), torch.randn(5, Hkv, D), torch.randn(5, Hkv, D)
-    pos = torch.arange(20, 25)
-    slots = A.slots_for_positions(bt, torch.zeros(5, dtype=torch.long), pos, bs)
+    q, k, v = torch.randn(n, H, D), torch.randn(n, Hkv, D), torch.randn(n, Hkv, D)
+    pos = torch.arange(40 - n, 40)
+    slots = A.slots_for_positions(bt, torch.zeros(n, dtype=torch.long), pos, bs)
     kc1, vc1 = kc.clone(), vc.clone()
-    meta = AttentionMetadata(slots, [5], [25], bt, bs, CAUSAL, row_invariant=True).finalize()
+    meta = AttentionMetadata(slots, [n], [40], bt, bs, CAUSAL, row_invariant=True).finalize()
     together = A.paged_attention(q, k, v, kc1, vc1, meta, 0.3)
     kc2, vc2 = kc.clone(), vc.clone()
     alone = [A.paged_attention(q[i:i + 1], k[i:i + 1], v[i:i + 1], kc2, vc2,
-                               AttentionMetadata(slots[i:i + 1], [1], [21 + i], bt, bs, CAUSAL,
-                                                 row_invariant=True).finalize(), 0.3) for i in range(5)]
+                               AttentionMetadata(slots[i:i + 1], [1], [41 - n + i], bt, bs, CAUSAL,
+                                                 row_invariant=True).finalize(), 0.3) for i in range(n)]
     assert torch.equal(together, torch.cat(alone))
     plain = A.paged_attention(q, k, v, kc.clone(), vc.clone(),
-                              AttentionMetadata(slots, [5], [25], bt, bs, CAUSAL).finalize(), 0.3)
+                              AttentionMetadata(slots, [n], [40], bt, bs, CAUSAL).finalize(), 0.3)
     torch.testing.assert_close(together, plain)
 
 
@@ -194,7 +196,7 @@ def test_row_invariant_attention_with_a_prefill_in_the_same_step():
     bs, Hkv, H, D = 4, 2, 4, 8
     bt = torch.arange(24).view(2, 12)
     kc, vc = torch.randn(24 * bs, Hkv, D), torch.randn(24 * bs, Hkv, D)
-    qlens, slens = [A.MAX_BATCHED_QUERY + 8, 2], [A.MAX_BATCHED_QUERY + 8, 30]
+    qlens, slens = [A.MAX_ROW_INVARIANT_QUERY + 8, 2], [A.MAX_ROW_INVARIANT_QUERY + 8, 30]
     T = sum(qlens)
     q, k, v = torch.randn(T, H, D), torch.randn(T, Hkv, D), torch.randn(T, Hkv, D)
     req = torch.tensor([0] * qlens[0] + [1] * qlens[1])

@@ -29,6 +29,9 @@ CAUSAL, NONCAUSAL, TREE = "causal", "noncausal", "tree"
 # one batched call; a longer query (a prefill chunk) attends on its own, so a mixed step does not
 # pad every decode row to the prefill chunk's length.
 MAX_BATCHED_QUERY = 16
+# row-invariant mode: causal queries up to this many rows (decode, verification of up to 31 drafts,
+# e.g. suffix decoding's long chains) attend row by row; matches the quantized linears' kernel limit
+MAX_ROW_INVARIANT_QUERY = 32
 
 
 @dataclass
@@ -91,10 +94,12 @@ class AttentionMetadata:
         """Split the requests into attention groups (short queries batched together, each long
         query alone) and derive each group's gather indices and mask."""
         R = len(self.query_lens)
-        short = [r for r in range(R) if self.query_lens[r] <= MAX_BATCHED_QUERY]
-        long_ = [r for r in range(R) if self.query_lens[r] > MAX_BATCHED_QUERY]
+        rows_alone = self.row_invariant and self.mask_kind == CAUSAL
+        limit = MAX_ROW_INVARIANT_QUERY if rows_alone else MAX_BATCHED_QUERY
+        short = [r for r in range(R) if self.query_lens[r] <= limit]
+        long_ = [r for r in range(R) if self.query_lens[r] > limit]
         self.row_plan = None
-        if self.row_invariant and self.mask_kind == CAUSAL:
+        if rows_alone:
             self.row_plan = self._row_plan()
             short = []                           # attended row by row (paged_attention)
         parts = ([short] if short else []) + [[r] for r in long_]
@@ -120,7 +125,7 @@ class AttentionMetadata:
         dev = self.block_tables.device
         plan, start = [], 0
         for r, (q, s) in enumerate(zip(self.query_lens, self.seq_lens)):
-            if q <= MAX_BATCHED_QUERY:
+            if q <= MAX_ROW_INVARIANT_QUERY:
                 j = torch.arange(s, device=dev)
                 blk = torch.clamp(j // self.block_size, max=self.block_tables.shape[1] - 1)
                 slots = self.block_tables[r, blk] * self.block_size + j % self.block_size
