@@ -105,10 +105,12 @@ async def _run(url: str, num_requests: int, concurrency: int, max_tokens: int, p
                             if "error" in ev:
                                 raise RuntimeError(ev["error"].get("message"))
                             ch = ev.get("choices") or []
-                            if first is None and ch:
+                            piece = ((ch[0].get("delta") or {}).get("content") or ch[0].get("text") or "") if ch else ""
+                            # time to the first generated text: a chat stream opens with a role-only
+                            # chunk the server sends before any token exists
+                            if first is None and piece:
                                 first = time.perf_counter()
-                            if ch:
-                                text.append((ch[0].get("delta") or {}).get("content") or ch[0].get("text") or "")
+                            text.append(piece)
                             if ev.get("usage"):
                                 usage = ev["usage"]
                     if first is not None:

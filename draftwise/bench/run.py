@@ -28,8 +28,12 @@ PRESETS = {
     "ngram": {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 2, "prompt_lookup_max": 4},
     "eagle3-adaptive": {"method": "eagle3", "num_speculative_tokens": 5, "adaptive": True},
     "suffix": {"method": "suffix"},
+    "suffix-adaptive": {"method": "suffix", "adaptive": True},
     "suffix-tree": {"method": "suffix", "num_speculative_tokens": 16, "draft_tree": True},
     "eagle3-suffix": {"method": "eagle3", "num_speculative_tokens": 3, "hybrid": "suffix"},
+    # the former default: shipped EAGLE-3 head, suffix beside it, adaptive policy
+    "eagle3-suffix-adaptive": {"method": "eagle3", "num_speculative_tokens": 3, "hybrid": "suffix",
+                               "adaptive": True},
     "eagle3-ngram": {"method": "eagle3", "num_speculative_tokens": 3, "hybrid": "ngram",
                      "prompt_lookup_min": 2, "prompt_lookup_max": 4},
 }

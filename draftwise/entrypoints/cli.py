@@ -15,7 +15,7 @@ DEFAULT_SPEC = "auto"       # the configuration measured fastest on the default 
 def _engine_args(p: argparse.ArgumentParser, spec_default: str | None = DEFAULT_SPEC) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL, help="HF directory, .gguf file or packaged model name")
     p.add_argument("--speculative-config", default=spec_default,
-                   help="'auto' (default: measured fastest, adaptive), 'none', or JSON, e.g. "
+                   help="'auto' (default: the measured fastest, suffix decoding), 'none', or JSON, e.g. "
                         "'{\"method\": \"suffix\"}'")
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--max-num-seqs", type=int, default=16)
