@@ -100,7 +100,7 @@ class AttentionMetadata:
         long_ = [r for r in range(R) if self.query_lens[r] > limit]
         self.row_plan = None
         if rows_alone:
-            self.row_plan = self._row_plan()
+            self.row_plan = self._row_plan(short)
             short = []                           # attended row by row (paged_attention)
         parts = ([short] if short else []) + [[r] for r in long_]
         if not parts:
@@ -119,18 +119,18 @@ class AttentionMetadata:
             self.groups.append(self._group(reqs, rows))
         return self
 
-    def _row_plan(self) -> list:
-        """Row-invariant mode: (first row, seq_len of each row, key slots of the longest) for every
-        short causal query; its rows attend one at a time over exactly their own keys."""
+    def _row_plan(self, reqs: list[int]) -> list:
+        """Row-invariant mode: (first row, seq_len of each row, key slots of the longest) for each
+        request in `reqs`; its rows attend one at a time over exactly their own keys."""
         dev = self.block_tables.device
-        plan, start = [], 0
-        for r, (q, s) in enumerate(zip(self.query_lens, self.seq_lens)):
-            if q <= MAX_ROW_INVARIANT_QUERY:
-                j = torch.arange(s, device=dev)
-                blk = torch.clamp(j // self.block_size, max=self.block_tables.shape[1] - 1)
-                slots = self.block_tables[r, blk] * self.block_size + j % self.block_size
-                plan.append((start, list(range(s - q + 1, s + 1)), slots))
-            start += q
+        starts = [0]
+        for q in self.query_lens:
+            starts.append(starts[-1] + q)
+        plan = []
+        for r in reqs:
+            q, s = self.query_lens[r], self.seq_lens[r]
+            slots = slots_for_positions(self.block_tables, r, torch.arange(s, device=dev), self.block_size)
+            plan.append((starts[r], list(range(s - q + 1, s + 1)), slots))
         return plan
 
     def _group(self, reqs: list[int], token_rows) -> AttentionGroup:

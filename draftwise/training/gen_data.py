@@ -141,6 +141,7 @@ def generate_data(cfg: GenDataConfig, progress: bool = True) -> dict:
     """Generate (or resume) shards in cfg.out; returns a summary."""
     from tqdm import tqdm
     from draftwise import LLM, SamplingParams
+    from draftwise.training.data import render
 
     if cfg.split not in ("train", "heldout"):
         raise ValueError(f"split must be 'train' or 'heldout', got {cfg.split!r}")
@@ -198,7 +199,6 @@ def generate_data(cfg: GenDataConfig, progress: bool = True) -> dict:
         while queue and len(in_flight) < cfg.batch_size:
             i = queue.pop(0)
             if cfg.teacher_forced:            # the whole exchange is the prompt; one token is sampled
-                from draftwise.training.data import render
                 ex = render(tok, convs[i], max_len)
                 if ex is None:
                     stats["skipped_long"] += 1
