@@ -25,17 +25,30 @@ def test_block_hashes_are_chained_and_lookup_takes_the_longest_prefix():
     b = block_hashes([9, 9, 9, 9, 5, 6, 7, 8], 4, 2)
     assert a[1] != b[1]                         # same block tokens, different prefix
     assert block_hashes([1, 2, 3, 4, 5, 6, 7, 8], 4, 2, start=1, parent=a[0]) == a[1:]
+    assert all(isinstance(h, bytes) and len(h) == 32 for h in a)   # SHA-256 digests
+    ta, tb = [1, 2, 3, 4, 5, 6, 7, 8], [9, 9, 9, 9, 5, 6, 7, 8]
     pool = BlockAllocator(4, enable_caching=True)
     x = pool.allocate(2)
-    pool.cache_block(x[0], a[0])
-    pool.cache_block(x[1], a[1])
-    assert pool.lookup(a) == x and pool.lookup(b) == [] and pool.lookup([a[0], b[1]]) == x[:1]
+    pool.cache_block(x[0], a[0], ta[:4])
+    pool.cache_block(x[1], a[1], ta[4:])
+    assert pool.lookup(a, ta, 4) == x and pool.lookup(b, tb, 4) == []
+    assert pool.lookup([a[0], b[1]], ta, 4) == x[:1]
     pool.free(x)
-    assert pool.num_free == 4 and pool.lookup(a) == x          # freed, still cached
+    assert pool.num_free == 4 and pool.lookup(a, ta, 4) == x          # freed, still cached
     pool.touch(x[:1])
     assert pool.num_free == 3 and pool.ref[x[0]] == 1
     pool.allocate(3)                                           # evicts every other block, x[1] too
-    assert pool.lookup(a) == x[:1] and pool.num_cached == 1
+    assert pool.lookup(a, ta, 4) == x[:1] and pool.num_cached == 1
+
+
+def test_a_key_collision_never_serves_another_requests_kv():
+    """Even if two token blocks produced the same key, the stored token ids are compared on a hit."""
+    pool = BlockAllocator(4, enable_caching=True)
+    x = pool.allocate(1)
+    key = block_hashes([1, 2, 3, 4], 4, 1)
+    pool.cache_block(x[0], key[0], [1, 2, 3, 4])
+    assert pool.lookup(key, [1, 2, 3, 4], 4) == x
+    assert pool.lookup(key, [1, 2, 3, 5], 4) == []            # forged / colliding key: no hit
 
 
 @pytest.mark.parametrize("spec", [None, "eagle3", {"method": "suffix"}, "tree", "dflash"])

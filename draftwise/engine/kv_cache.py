@@ -48,8 +48,10 @@ class BlockAllocator:
     """The block pool, with automatic prefix caching (vLLM v1 style).
 
     Blocks are reference counted. A request's *full* computed blocks are registered under a chained
-    hash of their tokens (`hash((parent_hash, block_tokens))`), so a later request whose prompt
-    starts with the same tokens reuses them (`lookup` + `touch`). A block whose last reference is
+    SHA-256 key of their tokens (`sha256(parent_key + block_tokens)`, see `block_hashes`), so a
+    later request whose prompt starts with the same tokens reuses them (`lookup` + `touch`). A hit
+    also compares the block's stored token ids with the request's: another request's K/V is never
+    served on a key match alone. A block whose last reference is
     dropped joins the free queue but keeps its cached contents until it is evicted: allocation takes
     the least recently freed block first and forgets its hash then. With caching disabled nothing
     is ever registered and this is a plain free list."""
@@ -60,8 +62,9 @@ class BlockAllocator:
         self.enable_caching = enable_caching
         self._free: "OrderedDict[int, None]" = OrderedDict((b, None) for b in range(num_blocks))
         self.ref = [0] * num_blocks
-        self.block_hash: list[int | None] = [None] * num_blocks
-        self.cached: dict[int, int] = {}          # hash -> block id
+        self.block_hash: list[bytes | None] = [None] * num_blocks
+        self.block_tokens: list[tuple[int, ...] | None] = [None] * num_blocks
+        self.cached: dict[bytes, int] = {}        # key -> block id
         self.queries = 0                         # prompt tokens looked up
         self.hits = 0                            # of which found in the cache
 
@@ -86,6 +89,7 @@ class BlockAllocator:
             h = self.block_hash[b]
             if h is not None:                            # evict its cached contents
                 self.block_hash[b] = None
+                self.block_tokens[b] = None
                 if self.cached.get(h) == b:
                     del self.cached[h]
             self.ref[b] = 1
@@ -103,12 +107,13 @@ class BlockAllocator:
                 self._free[b] = None
 
     # --- prefix caching ---------------------------------------------------------------------------
-    def lookup(self, hashes: list[int]) -> list[int]:
-        """Blocks caching the longest prefix of `hashes`."""
+    def lookup(self, hashes: list[bytes], token_ids: list[int], block_size: int) -> list[int]:
+        """Blocks caching the longest prefix of `hashes` (the keys of `token_ids`' full blocks) whose
+        stored tokens are the request's own."""
         out = []
-        for h in hashes:
+        for i, h in enumerate(hashes):
             b = self.cached.get(h)
-            if b is None:
+            if b is None or self.block_tokens[b] != tuple(token_ids[i * block_size:(i + 1) * block_size]):
                 break
             out.append(b)
         return out
@@ -120,19 +125,25 @@ class BlockAllocator:
                 del self._free[b]
             self.ref[b] += 1
 
-    def cache_block(self, block: int, h: int) -> None:
+    def cache_block(self, block: int, h: bytes, tokens) -> None:
         if not self.enable_caching or self.block_hash[block] is not None:
             return
         self.block_hash[block] = h
+        self.block_tokens[block] = tuple(tokens)
         self.cached.setdefault(h, block)
 
 
 def block_hashes(token_ids: list[int], block_size: int, num_blocks: int, start: int = 0,
-                 parent: int | None = None) -> list[int]:
-    """Chained hashes of full blocks `start .. num_blocks - 1` of `token_ids` (`parent` is the hash of
-    block start - 1)."""
+                 parent: bytes | None = None) -> list[bytes]:
+    """Chained SHA-256 keys of full blocks `start .. num_blocks - 1` of `token_ids` (`parent` is the
+    key of block start - 1): each block's key covers its parent's key and its own token ids as
+    64-bit integers, so equal keys mean equal prefixes up to a cryptographic collision."""
+    import hashlib
+    from array import array
     out = []
     for i in range(start, num_blocks):
-        parent = hash((parent, tuple(token_ids[i * block_size:(i + 1) * block_size])))
+        h = hashlib.sha256(parent or b"")
+        h.update(array("q", token_ids[i * block_size:(i + 1) * block_size]).tobytes())
+        parent = h.digest()
         out.append(parent)
     return out

@@ -124,7 +124,7 @@ class Scheduler:
         if not self.allocator.enable_caching or req.num_computed_tokens:
             return [], []
         hashes = block_hashes(req.all_token_ids, self.block_size, (req.num_tokens - 1) // self.block_size)
-        hits = self.allocator.lookup(hashes)
+        hits = self.allocator.lookup(hashes, req.all_token_ids, self.block_size)
         return hits, hashes[:len(hits)]
 
     def _register_full_blocks(self, req: Request, token_ids: list[int], num_computed: int) -> None:
@@ -135,8 +135,9 @@ class Scheduler:
         if not self.allocator.enable_caching or n_full <= have:
             return
         new = block_hashes(token_ids, self.block_size, n_full, have, req.block_hashes[-1] if have else None)
+        bs = self.block_size
         for i, h in zip(range(have, n_full), new):
-            self.allocator.cache_block(req.block_ids[i], h)
+            self.allocator.cache_block(req.block_ids[i], h, token_ids[i * bs:(i + 1) * bs])
         req.block_hashes.extend(new)
 
     def _ensure_blocks(self, req: Request, num_tokens: int) -> bool:
