@@ -215,7 +215,10 @@ class EngineConfig:
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 1024
     block_size: int = 16
-    num_kv_blocks: int | None = None      # None: enough for max_num_seqs * max_model_len
+    num_kv_blocks: int | None = None      # None: what kv_cache_memory holds (at most max_num_seqs full sequences)
+    # bytes for the KV pool (target and drafter layers); None: DEFAULT_KV_CACHE_MEMORY
+    kv_cache_memory: int | None = None
+    kv_cache_dtype: str = "auto"          # "auto" (the model's dtype), "float32", "bfloat16", "float16"
     dtype: str = "float32"
     device: str = "cpu"
     seed: int = 0
@@ -250,10 +253,39 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if self.kv_cache_memory is not None and (not isinstance(self.kv_cache_memory, int) or self.kv_cache_memory < 1):
+            raise ValueError(f"kv_cache_memory must be a positive number of bytes, got {self.kv_cache_memory!r}")
+        if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in DTYPES:
+            raise ValueError(f"unknown kv_cache_dtype {self.kv_cache_dtype!r}; choose 'auto' or one of "
+                             f"{sorted(DTYPES)}")
 
     @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
+
+    @property
+    def kv_torch_dtype(self) -> torch.dtype:
+        return self.torch_dtype if self.kv_cache_dtype == "auto" else DTYPES[self.kv_cache_dtype]
+
+
+# the KV pool's default size: SmolLM2-135M in fp32 keeps 46 KB per token, so 256 MiB hold ~5,800
+# tokens (a few full 2,048-token contexts, or 16 requests of ~360 tokens) while the whole server stays
+# near a gigabyte; pass kv_cache_memory (--kv-cache-memory) for more
+DEFAULT_KV_CACHE_MEMORY = 256 << 20
+
+
+def parse_bytes(text: str | int) -> int:
+    """'512MiB', '1GiB', '300MB', '4096' -> bytes."""
+    if isinstance(text, int):
+        return text
+    import re
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*", str(text).lower())
+    if not m:
+        raise ValueError(f"not a size: {text!r} (examples: 512MiB, 1GiB, 300MB)")
+    unit = (m.group(2) or "").rstrip("b")
+    mult = {"": 1, "k": 10 ** 3, "m": 10 ** 6, "g": 10 ** 9, "t": 10 ** 12,
+            "ki": 1 << 10, "mi": 1 << 20, "gi": 1 << 30, "ti": 1 << 40}[unit]
+    return int(float(m.group(1)) * mult)
 
 
 def cache_dir() -> str:

@@ -58,6 +58,18 @@ def candidates(weights: list[torch.Tensor]) -> dict:
         "int4 _weight_int4pack_mm_for_cpu g32, bf16 act.": lambda xs: [m._kernel(xs[m.in_features].bfloat16())
                                                                      for m in int4],
     }
+    try:                     # oneDNN-prepacked bf16 (what Inductor's freezing uses; AMX / AVX512_BF16)
+        packed_bf16 = [(torch.ops.mkldnn._reorder_linear_weight(w, 16), w.shape[1]) for w in wb]
+        c["bf16 oneDNN prepacked"] = lambda xs: [torch.ops.mkldnn._linear_pointwise(
+            xs[k].bfloat16(), p, None, "none", [], "") for p, k in packed_bf16]
+    except Exception:                  # noqa: BLE001 - no oneDNN in this build
+        pass
+    try:
+        packed_fp32 = [(torch.ops.mkldnn._reorder_linear_weight(w, 16), w.shape[1]) for w in weights]
+        c["fp32 oneDNN prepacked"] = lambda xs: [torch.ops.mkldnn._linear_pointwise(
+            xs[k], p, None, "none", [], "") for p, k in packed_fp32]
+    except Exception:                  # noqa: BLE001
+        pass
     if dyn is not None:      # W8A8: activations quantized too (reduce_range for AVX2 without VNNI)
         c["int8 FBGEMM linear_dynamic (W8A8)"] = lambda xs: [torch.ops.quantized.linear_dynamic(
             xs[w.shape[1]], p, True) for w, p in zip(weights, dyn)]
@@ -82,8 +94,9 @@ def main(argv=None) -> dict:
             for m in rows:
                 xs = {k: torch.randn(m, k) for k in (576, 1536)}
                 table.setdefault(name, {})[m] = _best(lambda: fn(xs), a.repeats)
-    print(f"CPU capability: {torch.backends.cpu.get_cpu_capability()}, {torch.get_num_threads()} threads, "
-          f"torch {torch.__version__}; ms for SmolLM2's 120 layer linears")
+    from draftwise.layers.quant import _cpu_flags
+    print(f"CPU capability: {torch.backends.cpu.get_cpu_capability()} ({_cpu_flags()}), "
+          f"{torch.get_num_threads()} threads, torch {torch.__version__}; ms for SmolLM2's 120 layer linears")
     print("| kernel | " + " | ".join(f"{m} row{'s' if m > 1 else ''}" for m in rows) + " |")
     print("|---|" + "---|" * len(rows))
     for name, r in table.items():

@@ -35,6 +35,15 @@ def _engine_args(p: argparse.ArgumentParser, spec_default: str | None = DEFAULT_
                    help="shard the target over this many processes (torch.distributed)")
     p.add_argument("--compile-sizes", default=None,
                    help="static token buckets for compiled graphs, e.g. 1,2,4,8 (default)")
+    add_kv_cache_args(p)
+
+
+def add_kv_cache_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--kv-cache-memory", default=None,
+                   help="memory for the KV cache, e.g. 512MiB or 2GiB (default: 256MiB, at most "
+                        "--max-num-seqs full sequences)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="KV-cache dtype; 16-bit halves its memory (default: auto, the model's dtype)")
 
 
 def _compile_sizes(s: str | None):
@@ -68,7 +77,8 @@ def build_llm(args):
                speculative_config=_spec_from_arg(args.speculative_config),
                enforce_eager=not args.compile,
                compile_sizes=_compile_sizes(args.compile_sizes), quantization=args.quantization,
-               tensor_parallel_size=args.tensor_parallel_size)
+               tensor_parallel_size=args.tensor_parallel_size, kv_cache_memory=args.kv_cache_memory,
+               kv_cache_dtype=args.kv_cache_dtype)
 
 
 def _sampling(args):
@@ -226,6 +236,11 @@ def make_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:2] == ["bench", "load"]:            # the load / soak / bad-input tool has its own flags
+        from draftwise.bench.load import main as load_main
+        load_main(argv[2:])
+        return 0
     parser = make_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.WARNING),

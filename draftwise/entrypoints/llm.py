@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Iterator
 
-from draftwise.config import EngineConfig, SpeculativeConfig
+from draftwise.config import EngineConfig, SpeculativeConfig, parse_bytes
 from draftwise.engine.engine import LLMEngine
 from draftwise.models.loader import DEFAULT_MODEL
 from draftwise.outputs import RequestOutput
@@ -36,7 +36,8 @@ class LLM:
                  seed: int = 0, speculative_config="auto", enforce_eager: bool | None = None,
                  compile_sizes: tuple[int, ...] | None = None, quantization: str | None = None,
                  enable_prefix_caching: bool = True, tensor_parallel_size: int = 1,
-                 async_scheduling: bool = False):
+                 async_scheduling: bool = False, kv_cache_memory: int | str | None = None,
+                 kv_cache_dtype: str = "auto"):
         if isinstance(speculative_config, str) and speculative_config.strip().lower() == "auto":
             speculative_config = default_speculative_config(model)
         spec = SpeculativeConfig.from_any(speculative_config)
@@ -46,7 +47,9 @@ class LLM:
                            device=device, seed=seed, speculative_config=spec,
                            enforce_eager=enforce_eager, compile_sizes=compile_sizes,
                            quantization=quantization, enable_prefix_caching=enable_prefix_caching,
-                           tensor_parallel_size=tensor_parallel_size, async_scheduling=async_scheduling)
+                           tensor_parallel_size=tensor_parallel_size, async_scheduling=async_scheduling,
+                           kv_cache_memory=None if kv_cache_memory is None else parse_bytes(kv_cache_memory),
+                           kv_cache_dtype=kv_cache_dtype)
         self.engine = LLMEngine(cfg)
 
     @property

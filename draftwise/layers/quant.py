@@ -15,9 +15,12 @@ Both kernels stream one row of activations through the packed weights, so their 
 linearly with the row count: measured on SmolLM2's 120 layer linears (2 threads, AVX2), int4 takes
 10.6 / 15.3 / 28.0 / 55.2 / 85 / 170 ms for 1 / 4 / 8 / 16 / 32 / 64 rows against fp32's 27.2 /
 74.2 / 76.8 / 62-96 / 97 / 123 ms. So rows up to `MAX_KERNEL_ROWS` (decode, verification, drafting)
-use the quantized kernel and larger row counts (prefill chunks, large batches) a dense fp32 GEMM
-over the dequantized copy of exactly the same weights; both paths compute the same quantized model
-(activations in bf16 on the first, fp32 on the second).
+use the quantized kernel, and larger row counts (prefill chunks, large batches) dequantize the
+weight for that call and run a dense GEMM: no dense copy is kept beside the quantized weights
+(dequantizing costs one pass over the weight, small against a GEMM of more than 32 rows). The dense
+GEMM runs in the dtype `dense_gemm_dtype()` measured fastest on this machine (bf16 where the CPU
+has bf16 matrix instructions - AVX512_BF16 / AMX - else fp32); both paths compute the same
+quantized model up to activation rounding.
 
 On CUDA the dense path is used for every row count (the CPU kernels' packing is CPU-only).
 """
@@ -52,17 +55,84 @@ def quantize_int4_groupwise(w: torch.Tensor, group: int = INT4_GROUP):
     return codes.reshape(N, K), scale, mn
 
 
+_DENSE_DTYPE: dict[str, torch.dtype] = {}
+
+
+def dense_gemm_dtype(device: torch.device | str = "cpu") -> torch.dtype:
+    """The dtype of the dense GEMM over dequantized weights: on CPU measured once per machine and
+    torch build (fp32 against bf16 on a prefill-sized SmolLM2 shape, cached on disk so every run on
+    the machine computes the same numbers); fp32 elsewhere."""
+    dev = torch.device(device)
+    if dev.type != "cpu":
+        return torch.float32
+    if "cpu" not in _DENSE_DTYPE:
+        _DENSE_DTYPE["cpu"] = _measure_dense_dtype()
+    return _DENSE_DTYPE["cpu"]
+
+
+def _measure_dense_dtype() -> torch.dtype:
+    import json
+    import os
+    import time
+    from draftwise.config import cache_dir
+    key = f"{torch.backends.cpu.get_cpu_capability()}-{torch.__version__}-{_cpu_flags()}"
+    path = os.path.join(cache_dir(), "dense_gemm_dtype.json")
+    try:
+        with open(path) as f:
+            known = json.load(f)
+    except (OSError, ValueError):
+        known = {}
+    if key in known:
+        return getattr(torch, known[key])
+    x, w = torch.randn(256, 576), torch.randn(1536, 576)
+
+    def best(dtype):
+        xd, wd = x.to(dtype), w.to(dtype)
+        times = []
+        for _ in range(5):
+            t = time.perf_counter()
+            (xd @ wd.t()).float()
+            times.append(time.perf_counter() - t)
+        return min(times)
+    # bf16 only where clearly faster (AVX512_BF16 / AMX); fp32 keeps more precision otherwise
+    choice = "bfloat16" if best(torch.bfloat16) < 0.7 * best(torch.float32) else "float32"
+    known[key] = choice
+    try:
+        with open(path + ".tmp", "w") as f:
+            json.dump(known, f)
+        os.replace(path + ".tmp", path)
+    except OSError:
+        pass
+    return getattr(torch, choice)
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    return ",".join(sorted(f for f in flags if f.startswith(("avx512", "amx", "avx2"))))
+    except OSError:
+        pass
+    return ""
+
+
 class _QuantizedLinear(nn.Module):
-    """Shared by the int8 / int4 linears: the quantized kernel up to MAX_KERNEL_ROWS rows on CPU, the
-    dense fp32 copy (`weight_t`, [in, out]) of the same weights otherwise."""
+    """Shared by the int8 / int4 linears: the quantized kernel up to MAX_KERNEL_ROWS rows on CPU,
+    otherwise a dense GEMM over the weight dequantized for that call."""
 
     def _kernel(self, x2: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def dequantize(self) -> torch.Tensor:
+        """The dequantized [out, in] weight, fp32."""
         raise NotImplementedError
 
     @property
     def weight(self) -> torch.Tensor:
         """The dequantized [out, in] weight (for code that reads weights directly)."""
-        return self.weight_t.t()
+        return self.dequantize()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -70,7 +140,8 @@ class _QuantizedLinear(nn.Module):
         if x2.shape[0] <= MAX_KERNEL_ROWS and x.device.type == "cpu":
             y = self._kernel(x2.to(torch.bfloat16)).to(x.dtype)
         else:
-            y = x2 @ self.weight_t.to(x.dtype)
+            dt = dense_gemm_dtype(x.device)
+            y = (x2.to(dt) @ self.dequantize().to(dt).t()).to(x.dtype)
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y.reshape(*shape[:-1], self.out_features)
@@ -82,9 +153,10 @@ class Int8Linear(_QuantizedLinear):
         self.out_features, self.in_features = q.shape
         self.register_buffer("qweight", q.contiguous())
         self.register_buffer("scale", scale.to(torch.bfloat16).contiguous())
-        # the dense copy of the same weights (bf16-rounded scales), for many rows
-        self.register_buffer("weight_t", (q.float() * self.scale.float()[:, None]).t().contiguous())
         self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
+
+    def dequantize(self) -> torch.Tensor:
+        return self.qweight.float() * self.scale.float()[:, None]
 
     def _kernel(self, x2):
         return torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self.scale)
@@ -101,10 +173,18 @@ class Int4Linear(_QuantizedLinear):
         self.register_buffer("scales_and_zeros", torch.stack([s, z], -1).transpose(0, 1).contiguous())
         self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(
             codes.to(torch.int32).contiguous(), 1))
-        w = ((codes.float() - 8.0).reshape(N, K // group, group) * s.float()[..., None]
-             + z.float()[..., None]).reshape(N, K)
-        self.register_buffer("weight_t", w.t().contiguous())
+        # the codes again, two per byte in our own layout (ATen's packing is private to its kernel):
+        # what large-row GEMMs dequantize from
+        c = codes.to(torch.uint8)
+        self.register_buffer("nibbles", (c[:, 0::2] | (c[:, 1::2] << 4)).contiguous())
         self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
+
+    def dequantize(self) -> torch.Tensor:
+        N, K, g = self.out_features, self.in_features, self.group
+        q = torch.stack([self.nibbles & 15, self.nibbles >> 4], -1).reshape(N, K // g, g).float()
+        s = self.scales_and_zeros[..., 0].t().float()[..., None]      # [N, K/g, 1]
+        z = self.scales_and_zeros[..., 1].t().float()[..., None]
+        return ((q - 8.0) * s + z).reshape(N, K)
 
     def _kernel(self, x2):
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed, self.group, self.scales_and_zeros)

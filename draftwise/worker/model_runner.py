@@ -85,7 +85,7 @@ class ModelRunner:
             specs += proposer.kv_layer_specs()
             if proposer.needs_aux_hidden_states:
                 model.set_aux_hidden_state_layers(proposer.aux_layers())
-        self.kv_cache = KVCache(num_blocks, self.block_size, specs, config.torch_dtype, self.device)
+        self.kv_cache = KVCache(num_blocks, self.block_size, specs, config.kv_torch_dtype, self.device)
         if tp is not None:
             tp.send("init", {"num_blocks": num_blocks})
             n_target = model_cfg.num_hidden_layers

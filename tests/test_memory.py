@@ -1,0 +1,74 @@
+"""Bounded memory: one copy of each weight (no dense fp32 copy beside quantized weights, no second
+layout beside fp32 weights), the KV pool sized by a memory budget, a 16-bit KV option."""
+import pytest
+import torch
+
+from draftwise import LLM, SamplingParams
+from draftwise.config import parse_bytes
+from draftwise.layers.linear import TransposedLinear, prepare_linears_for_inference
+from draftwise.layers.quant import Int4Linear, Int8Linear, quantize_int4_groupwise, quantize_int8_per_channel
+
+GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+PROMPTS = [{"prompt_token_ids": p} for p in ([5, 6, 7, 8, 9], [3] * 20, list(range(30, 60)))]
+
+
+def _buffer_bytes(mod):
+    return sum(b.numel() * b.element_size() for b in mod.buffers() if b is not None)
+
+
+def test_quantized_linears_keep_no_dense_copy():
+    w = torch.randn(96, 128) * 0.05
+    q, s = quantize_int8_per_channel(w)
+    lin8 = Int8Linear(q, s)
+    assert _buffer_bytes(lin8) < w.numel() * 4 / 3                     # int8 + scales, not fp32
+    codes, scale, mn = quantize_int4_groupwise(w)
+    lin4 = Int4Linear(codes, scale, mn)
+    assert _buffer_bytes(lin4) < w.numel() * 4 / 3                     # packed int4 twice + scales
+    x = torch.randn(40, 128)                                           # past the kernel's row limit
+    torch.testing.assert_close(lin4(x), x @ lin4.dequantize().t(), atol=3e-2, rtol=3e-2)
+    torch.testing.assert_close(lin8(x), x @ lin8.dequantize().t(), atol=3e-2, rtol=3e-2)
+
+
+def test_one_weight_layout_per_execution_mode():
+    lin = torch.nn.Linear(64, 32, bias=False)
+    eager = prepare_linears_for_inference(torch.nn.Sequential(lin), compiled=False)
+    assert isinstance(eager[0], torch.nn.Linear)
+    compiled = prepare_linears_for_inference(torch.nn.Sequential(torch.nn.Linear(64, 32)), compiled=True)
+    t = compiled[0]
+    assert isinstance(t, TransposedLinear) and _buffer_bytes(t) == (64 * 32 + 32) * 4
+    x = torch.randn(3, 64)
+    torch.testing.assert_close(t(x), x @ t.weight.t() + t.bias)
+
+
+def test_kv_pool_follows_the_memory_budget(tiny_llama):
+    path, _ = tiny_llama
+    full = LLM(path, block_size=4, max_model_len=128, max_num_seqs=4)
+    blocks = full.engine.scheduler.allocator.num_blocks
+    assert blocks == 4 * 33                                           # the whole budget: 4 full sequences
+    small = LLM(path, block_size=4, max_model_len=128, max_num_seqs=4, kv_cache_memory="200KiB")
+    per_block = 4 * 4 * 2 * 2 * 16 * 4                                 # tokens x layers x K,V x heads x dim x fp32
+    assert small.engine.scheduler.allocator.num_blocks == (200 << 10) // per_block < blocks
+    ref = [o.outputs[0].token_ids for o in full.generate(PROMPTS, GREEDY)]
+    assert [o.outputs[0].token_ids for o in small.generate(PROMPTS, GREEDY)] == ref   # preempts, same output
+    with pytest.raises(ValueError, match="kv_cache_memory"):
+        LLM(path, block_size=4, max_model_len=128, kv_cache_memory=1000)
+
+
+def test_16_bit_kv_cache(tiny_llama):
+    path, _ = tiny_llama
+    llm = LLM(path, block_size=4, max_model_len=128, max_num_seqs=4, kv_cache_dtype="bfloat16",
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    assert llm.engine.runner.kv_cache.layer(0)[0].dtype == torch.bfloat16
+    plain = LLM(path, block_size=4, max_model_len=128, max_num_seqs=4, kv_cache_dtype="bfloat16",
+                speculative_config=None)
+    outs = llm.generate(PROMPTS, GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain.generate(PROMPTS, GREEDY)]
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        LLM(path, kv_cache_dtype="int3")
+
+
+def test_parse_bytes():
+    assert parse_bytes("512MiB") == 512 << 20 and parse_bytes("1GiB") == 1 << 30
+    assert parse_bytes("300MB") == 300 * 10 ** 6 and parse_bytes("4096") == 4096
+    with pytest.raises(ValueError, match="not a size"):
+        parse_bytes("lots")
