@@ -27,8 +27,9 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None = None   # "stop" | "length" | "abort" | None while running
+    finish_reason: str | None = None   # "stop" | "length" | "abort" | "error" | None while running
     logprobs: list[TokenLogprob] | None = None   # one per token when SamplingParams.logprobs is set
+    error: str | None = None           # finish_reason "error": what failed (other requests are unaffected)
 
 
 @dataclass

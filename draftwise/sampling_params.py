@@ -1,7 +1,11 @@
 """User-facing sampling parameters, validated on construction."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+SEED_MIN, SEED_MAX = -(2 ** 63), 2 ** 64 - 1    # what torch.Generator.manual_seed accepts
+TOP_K_MAX = 2 ** 31 - 1                          # any top_k at least the vocabulary size means "off"
 
 
 @dataclass
@@ -21,18 +25,21 @@ class SamplingParams:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
-        if not isinstance(self.temperature, (int, float)) or isinstance(self.temperature, bool):
-            raise ValueError(f"temperature must be a number, got {self.temperature!r}")
+        if not isinstance(self.temperature, (int, float)) or isinstance(self.temperature, bool) \
+                or not math.isfinite(self.temperature):
+            raise ValueError(f"temperature must be a finite number, got {self.temperature!r}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not isinstance(self.top_p, (int, float)) or not (0 < self.top_p <= 1):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or (self.top_k < -1):
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or (self.top_k < -1):
             raise ValueError(f"top_k must be -1 (disabled) or a positive integer, got {self.top_k!r}")
+        self.top_k = min(self.top_k, TOP_K_MAX)
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens <= 0:
             raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
+                                      or not SEED_MIN <= self.seed <= SEED_MAX):
+            raise ValueError(f"seed must be an integer in [-2**63, 2**64), got {self.seed!r}")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool)
                                           or not 0 <= self.logprobs <= 20):
             raise ValueError(f"logprobs must be an integer in [0, 20] or None, got {self.logprobs!r}")
@@ -40,6 +47,9 @@ class SamplingParams:
             raise ValueError(f"speculate must be true or false, got {self.speculate!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError("stop must be a string or a list of non-empty strings")
+        if not isinstance(self.stop_token_ids, list) or any(
+                not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in self.stop_token_ids):
+            raise ValueError("stop_token_ids must be a list of non-negative integers")
 
     @property
     def greedy(self) -> bool:

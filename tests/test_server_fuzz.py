@@ -39,6 +39,18 @@ def fuzz_schema(fuzz_app):
 VALID_BODIES = {"/v1/completions": {"model": NAME, "prompt": "hello", "max_tokens": 4},
                 "/v1/chat/completions": {"model": NAME, "max_tokens": 4,
                                          "messages": [{"role": "user", "content": "hi"}]}}
+# the extreme values that once failed a whole batch or leaked internal error text: always among the
+# examples, beside whatever the generator draws
+EXTREMES = [{"top_k": 2 ** 63}, {"top_k": 10 ** 40}, {"seed": 2 ** 64}, {"seed": 2 ** 64 - 1},
+            {"seed": -(2 ** 63) - 1}, {"max_tokens": 2 ** 63}, {"temperature": 1e308},
+            {"top_p": 1e-300}, {"stop": ["\ud800"]}]
+EXTREME_BODIES = {path: [{**body, **e} for e in EXTREMES] for path, body in {
+    "/v1/completions": {"model": NAME, "prompt": "hello", "max_tokens": 4},
+    "/v1/chat/completions": {"model": NAME, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]},
+}.items()}
+EXTREME_BODIES["/v1/completions"].append({"model": NAME, "prompt": "a\ud800b", "max_tokens": 2})
+EXTREME_BODIES["/v1/chat/completions"].append({"model": NAME, "max_tokens": 2,
+                                               "messages": [{"role": "user", "content": "\udc00"}]})
 OPERATIONS = [("/v1/completions", "POST"), ("/v1/chat/completions", "POST"), ("/v1/models", "GET"),
               ("/health", "GET"), ("/metrics", "GET")]
 
@@ -52,8 +64,14 @@ def test_no_5xx_and_openai_shaped_errors(fuzz_app, fuzz_schema):
         op = fuzz_schema[path][method]
         strategy = op.as_strategy()
         if path in VALID_BODIES:         # a well-formed request too, whatever the generator draws
-            strategy = st.one_of(st.just(op.Case(body=VALID_BODIES[path], media_type="application/json")),
+            fixed = [VALID_BODIES[path]] + EXTREME_BODIES[path]
+            strategy = st.one_of(st.sampled_from([op.Case(body=b, media_type="application/json") for b in fixed]),
                                  strategy)
+
+        for body in EXTREME_BODIES.get(path, []):       # each extreme case at least once
+            r = op.Case(body=body, media_type="application/json").call()
+            assert r.status_code < 500, (path, body, r.status_code, r.text[:300])
+            assert fuzz_app.state.server.engine_loop.alive
 
         @settings(max_examples=30, deadline=None, derandomize=True, database=None,
                   suppress_health_check=list(HealthCheck))

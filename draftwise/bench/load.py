@@ -17,6 +17,7 @@ import asyncio
 import ipaddress
 import json
 import math
+import sys
 import time
 from urllib.parse import urlparse
 
@@ -206,7 +207,30 @@ def main(argv=None) -> None:
     ap.add_argument("--json", action="store_true", help="print the summary as JSON")
     ap.add_argument("--turns", type=int, default=1, help="chat: user turns per session (multi-turn)")
     ap.add_argument("--dataset", default=None, help="question.jsonl (MT-bench / Spec-Bench) for the sessions")
+    ap.add_argument("--bad-input", action="store_true",
+                    help="send the bad-input catalogue beside well-formed streams (draftwise/bench/soak.py)")
+    ap.add_argument("--soak", action="store_true",
+                    help="start a server (arguments after '--' go to `draftwise serve`) and report RSS fresh, "
+                         "after the load and after bad input, and its exit time on SIGTERM")
+    ap.add_argument("--server-log", default=None, help="--soak: file for the server's log")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    serve_args = []
+    if "--" in argv:
+        i = argv.index("--")
+        argv, serve_args = argv[:i], argv[i + 1:]
     a = ap.parse_args(argv)
+    if a.soak:
+        from draftwise.bench.soak import format_soak, run_soak
+        res = run_soak(serve_args, a.num_requests, a.concurrency, a.max_tokens, log_path=a.server_log)
+        print(json.dumps(res, indent=2) if a.json else format_soak(res))
+        return
+    if a.bad_input:
+        if not a.allow_remote and not _is_loopback(a.url):
+            raise SystemExit(f"{a.url} is not a loopback address (pass --allow-remote)")
+        from draftwise.bench.soak import format_bad_inputs, run_bad_inputs
+        res = run_bad_inputs(a.url, a.model)
+        print(json.dumps(res, indent=2) if a.json else format_bad_inputs(res))
+        return
     prompts = None
     if a.dataset:
         from draftwise.bench.datasets import load_question_jsonl

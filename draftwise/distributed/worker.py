@@ -30,6 +30,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from draftwise.engine.errors import EngineFault
+
 logger = logging.getLogger("draftwise")
 
 TIMEOUT = datetime.timedelta(seconds=300)
@@ -103,9 +105,9 @@ class TPDriver:
                 if p.poll() is not None:
                     self.broken = f"tensor-parallel worker {rank} exited (exit code {p.returncode}){self._tail(rank)}"
         if self.broken is not None:
-            raise RuntimeError(self.broken + "; restart the engine")
+            raise EngineFault(self.broken + "; restart the engine")
         if self.closed:
-            raise RuntimeError("the tensor-parallel workers were shut down")
+            raise EngineFault("the tensor-parallel workers were shut down")
 
     def send(self, kind: str, payload=None) -> None:
         self._check()
@@ -113,7 +115,7 @@ class TPDriver:
             dist.broadcast_object_list([(kind, payload)], src=0)
         except Exception as e:         # a peer went away mid-collective
             self.broken = f"tensor-parallel collective failed ({e})"
-            raise RuntimeError(self.broken) from None
+            raise EngineFault(self.broken) from None
 
     def collective(self, fn):
         """Run rank 0's part of a step (its own shard), turning a failed collective into a clear error."""
@@ -127,7 +129,7 @@ class TPDriver:
                 except RuntimeError:
                     pass
             self.broken = self.broken or f"tensor-parallel collective failed ({e})"
-            raise RuntimeError(self.broken) from None
+            raise EngineFault(self.broken) from None
 
     def shutdown(self, timeout: float = 10.0) -> None:
         if self.closed:

@@ -2,6 +2,7 @@
 running request by one (speculative) step and reports what changed."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import math
@@ -10,8 +11,9 @@ import time
 import torch
 
 from draftwise.config import EngineConfig, SpeculativeConfig
+from draftwise.engine.errors import EngineFault
 from draftwise.engine.request import Request
-from draftwise.engine.scheduler import Scheduler
+from draftwise.engine.scheduler import Scheduler, SchedulerOutput
 from draftwise.models.loader import load_target_model, load_tokenizer
 from draftwise.outputs import CompletionOutput, RequestOutput
 from draftwise.sampling_params import SamplingParams
@@ -51,8 +53,7 @@ class LLMEngine:
             self.num_spec_tokens = self.spec_config.num_speculative_tokens
         self._prepare_linears()
         lookahead = self.proposer.num_lookahead_tokens if self.proposer else 0
-        blocks_per_seq = math.ceil((config.max_model_len + lookahead + 1) / config.block_size)
-        num_blocks = config.num_kv_blocks or blocks_per_seq * config.max_num_seqs
+        num_blocks = config.num_kv_blocks or self._kv_blocks_for_budget(lookahead)
         self.runner = ModelRunner(config, self.model, self.model_cfg, self.proposer, num_blocks, self.tp)
         self.scheduler = Scheduler(config, num_blocks, lookahead)
         self.spec_stats = SpecDecodingStats()
@@ -72,6 +73,27 @@ class LLMEngine:
         self.num_steps = 0
         self._inflight = None                 # async scheduling: (SchedulerOutput, Future) of the running step
         self._pool = None
+
+    def _kv_blocks_for_budget(self, lookahead: int) -> int:
+        """Blocks the KV-memory budget holds (target and drafter layers, the KV dtype), at most
+        max_num_seqs full sequences and at least one."""
+        from draftwise.config import DEFAULT_KV_CACHE_MEMORY
+        c, m = self.config, self.model_cfg
+        specs = [(m.num_key_value_heads, m.head_dim)] * m.num_hidden_layers
+        if self.proposer is not None:
+            specs += self.proposer.kv_layer_specs()
+        elem = torch.empty((), dtype=c.kv_torch_dtype).element_size()
+        per_block = c.block_size * sum(2 * h * d * elem for h, d in specs)
+        blocks_per_seq = math.ceil((c.max_model_len + lookahead + 1) / c.block_size)
+        budget = c.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY
+        fit = budget // per_block
+        if fit < blocks_per_seq:
+            if c.kv_cache_memory is not None:
+                raise ValueError(f"kv_cache_memory={budget} bytes holds {fit} KV blocks of {c.block_size} tokens, "
+                                 f"less than one sequence of max_model_len={c.max_model_len} needs "
+                                 f"({blocks_per_seq} blocks, {blocks_per_seq * per_block} bytes)")
+            fit = blocks_per_seq
+        return int(min(fit, blocks_per_seq * c.max_num_seqs))
 
     def _step_costs(self, sizes) -> dict[int, float]:
         """The adaptive policy's start-up table of target step costs, measured once per model,
@@ -126,8 +148,8 @@ class LLMEngine:
             self.tp.shutdown()
 
     def _prepare_linears(self) -> None:
-        """Weight-only quantization (layers/quant.py), else, on CPU, transposed weight copies for
-        multi-row GEMMs (layers/linear.py); the drafter's linears get the same treatment (int8
+        """Weight-only quantization (layers/quant.py), else, on CPU, the weight layout the execution
+        mode reads fastest (layers/linear.py); the drafter's linears get the same treatment (int8
         per channel when quantizing: its weights are not GGUF blocks, and 8 bits keep it close)."""
         config = self.config
         draft = getattr(self.proposer, "model", None)
@@ -145,13 +167,12 @@ class LLMEngine:
                 quantize_model(draft, "int8")
             return
         if torch.device(config.device).type == "cpu" and self.tp is None:
-            # CPU matmuls: keep a transposed copy of every weight for multi-row GEMMs (and, in
-            # compiled graphs, for single rows too; see layers/linear.py)
+            # compiled graphs read a transposed copy of every weight (and only that copy)
             from draftwise.layers.linear import prepare_linears_for_inference
-            gemv = bool(config.enforce_eager)
-            prepare_linears_for_inference(self.model, gemv)
+            compiled = not config.enforce_eager
+            prepare_linears_for_inference(self.model, compiled)
             if draft is not None:
-                prepare_linears_for_inference(draft, gemv)
+                prepare_linears_for_inference(draft, compiled)
 
     # --- requests ----------------------------------------------------------------------------------
     def tokenize_prompt(self, prompt) -> tuple[str | None, list[int]]:
@@ -186,6 +207,8 @@ class LLMEngine:
         vocab = self.model_cfg.vocab_size
         if any(t < 0 or t >= vocab for t in ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        if params.top_k >= vocab:           # keeping every token: the same as no top-k (as vLLM clamps)
+            params = dataclasses.replace(params, top_k=-1)
         rid = request_id if request_id is not None else str(next(self._ids))
         if rid in self.requests:
             raise ValueError(f"request id {rid!r} is already in use")
@@ -194,12 +217,16 @@ class LLMEngine:
         self.scheduler.add(req)
         return rid
 
-    def abort_request(self, request_id: str) -> None:
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """End a request now; returns its final output (finish_reason "abort"), None if unknown."""
         req = self.requests.pop(request_id, None)
-        if req is not None and not req.is_finished:
+        if req is None:
+            return None
+        if not req.is_finished:
             self.scheduler.finish(req, "abort")
             if self.proposer is not None:
                 self.proposer.on_request_finished(req)
+        return self._make_output(req, [], "")
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or self._inflight is not None
@@ -211,7 +238,12 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if not sched.scheduled:
             return self._nothing_scheduled()
-        step = self.runner.execute(sched)
+        try:
+            step = self.runner.execute(sched)
+        except EngineFault:
+            raise
+        except Exception as err:             # noqa: BLE001 - find whose fault it was
+            return self._emit(self._isolate(sched, err))
         items = self._apply(sched, step)
         self._propose(sched, step)
         return self._emit(items)
@@ -236,26 +268,77 @@ class LLMEngine:
             sched = self.scheduler.schedule()
             if not sched.scheduled:
                 return self._nothing_scheduled()
-            self._launch(sched)
+            failed = self._launch(sched)
+            if failed is not None:
+                return self._emit(failed)
         sched, fut = self._inflight
         self.scheduler.reserve_ahead(sched, self.num_spec_tokens)
-        step = fut.result()
-        self._inflight = None
-        self.scheduler.end_flight()
+        try:
+            step = fut.result()
+        except Exception as err:             # noqa: BLE001 - the model thread failed: isolate, recover
+            step = err
+        finally:
+            self._inflight = None
+            self.scheduler.end_flight()
+        if isinstance(step, EngineFault):
+            raise step
+        if isinstance(step, Exception):
+            return self._emit(self._isolate(sched, step))
         items = self._apply(sched, step)
         self._propose(sched, step)
         nxt = self.scheduler.schedule()
         if nxt.scheduled:
-            self._launch(nxt)
+            items += self._launch(nxt) or []
         return self._emit(items)
 
-    def _launch(self, sched) -> None:
+    def _launch(self, sched) -> list | None:
+        """Start `sched` on the model thread; if preparing it fails, run it through `_isolate`
+        instead and return those items."""
         if self._pool is None:
             from concurrent.futures import ThreadPoolExecutor
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="draftwise-model")
-        inputs = self.runner.prepare(sched)      # tensors built here: the scheduler may move on
+        try:
+            inputs = self.runner.prepare(sched)      # tensors built here: the scheduler may move on
+        except EngineFault:
+            raise
+        except Exception as err:                     # noqa: BLE001
+            return self._isolate(sched, err)
         self.scheduler.begin_flight(sched)
         self._inflight = (sched, self._pool.submit(self.runner.run, inputs))
+        return None
+
+    # --- failure isolation ------------------------------------------------------------------------
+    def _isolate(self, sched: SchedulerOutput, err: Exception) -> list:
+        """A step raised `err`. Run each of its requests in a step of its own, so that a failure
+        attributable to one request (its sampling parameters, stop conditions, grammar ...) fails that
+        request alone with a clear error while the others advance as usual. A step's K/V writes are
+        positions the request had not yet computed, so re-running them is harmless. If several
+        requests were in the step and every one of them fails on its own too, the fault is the
+        engine's: `EngineFault` is raised and the caller decides (the server fails the batch and keeps
+        serving)."""
+        scheds = [s for s in sched.scheduled if not s.request.is_finished]
+        logger.warning("a step of %d request(s) failed (%s: %s); running them one at a time",
+                       len(scheds), type(err).__name__, err)
+        items, failures = [], []
+        for s in scheds:
+            solo = SchedulerOutput([s])
+            try:
+                step = self.runner.execute(solo)
+            except EngineFault:
+                raise
+            except Exception as e:               # noqa: BLE001
+                failures.append((s.request, e))
+                continue
+            items += self._apply(solo, step)
+            self._propose(solo, step)
+        if len(scheds) > 1 and len(failures) == len(scheds):
+            raise EngineFault(f"every request of the step failed: {type(err).__name__}: {err}") from err
+        for req, e in failures:
+            logger.error("request %s failed: %s: %s", req.request_id, type(e).__name__, e)
+            req.error = f"{type(e).__name__}: {e}"
+            self.scheduler.finish(req, "error")
+            items.append((req, [], None))
+        return items
 
     # --- the three phases of a step ---------------------------------------------------------------
     def _apply(self, sched, step) -> list:
@@ -300,7 +383,11 @@ class LLMEngine:
             # stale, which can only lower later acceptance, never change outputs)
             return
         t_draft = time.perf_counter()
-        drafts = self.runner.propose(step, k)
+        try:
+            drafts = self.runner.propose(step, k)
+        except Exception:                    # noqa: BLE001 - drafts only ever save time
+            logger.exception("the drafter failed; this step's requests decode without drafts")
+            return
         if self.policy is not None:
             self.policy.observe_draft_time(len(sched.scheduled), k, time.perf_counter() - t_draft)
         sources = getattr(self.proposer, "last_sources", None) or [None] * len(drafts)
@@ -318,7 +405,7 @@ class LLMEngine:
         outputs = []
         now = time.time()
         for req, appended, new_lps in items:
-            new_text = self._detokenize(req)
+            new_text = self._detokenize(req, appended)
             if req.is_finished:
                 req.metrics.finished_time = now
             outputs.append(self._make_output(req, appended, new_text, new_lps))
@@ -330,13 +417,18 @@ class LLMEngine:
         self.runner.timer.add("bookkeeping", time.perf_counter() - t0)
         return outputs
 
-    def _detokenize(self, req: Request) -> str:
+    def _detokenize(self, req: Request, appended: list[int]) -> str:
+        """Append the text of the step's new tokens (incrementally: linear in the output) and apply
+        stop strings; returns the text added by this step."""
         if self.tokenizer is None:
             return ""
+        if req.detokenizer is None:
+            from draftwise.engine.detokenizer import IncrementalDetokenizer
+            req.detokenizer = IncrementalDetokenizer(self.tokenizer)
         old = req.text
-        text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=True)
-        if req.params.stop:
-            search_from = max(0, len(old) - max(len(s) for s in req.params.stop))
+        text = old + req.detokenizer.add(appended)
+        if req.params.stop and len(text) > len(old):
+            search_from = max(0, len(old) - max(len(s) for s in req.params.stop) + 1)
             hits = [i for i in (text.find(s, search_from) for s in req.params.stop) if i >= 0]
             if hits:
                 text = text[:min(hits)]
@@ -345,11 +437,11 @@ class LLMEngine:
                 else:
                     self.scheduler.finish(req, "stop")
         req.text = text
-        return text[len(old):] if text.startswith(old) else text
+        return text[len(old):]
 
     def _make_output(self, req: Request, new_ids: list[int], new_text: str, new_lps=None) -> RequestOutput:
         lps = list(req.logprobs) if req.params.logprobs is not None else None
-        comp = CompletionOutput(0, req.text, list(req.output_token_ids), req.finish_reason, lps)
+        comp = CompletionOutput(0, req.text, list(req.output_token_ids), req.finish_reason, lps, req.error)
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [comp], req.is_finished,
                              req.metrics, new_token_ids=new_ids, new_text=new_text, new_logprobs=new_lps)
 

@@ -31,11 +31,13 @@ class Request:
         self.spec_tree = None                 # tree drafting: the TreeDraft to verify next
         self.spec_source: str | None = None   # which drafter made the pending draft (hybrid drafting)
         self.block_ids: list[int] = []
-        self.block_hashes: list[int] = []     # chained hashes of the full computed blocks (prefix cache)
+        self.block_hashes: list[bytes] = []   # chained SHA-256 keys of the full computed blocks (prefix cache)
         self.finish_reason: str | None = None
+        self.error: str | None = None         # why the request failed (finish_reason "error")
         self.eos_token_ids = () if params.ignore_eos else tuple(eos_token_ids)
         self.metrics = RequestMetrics(arrival_time=time.time())
         self.text = ""                        # detokenized output (maintained by the engine)
+        self.detokenizer = None               # its IncrementalDetokenizer (created on first output)
         self.logprobs: list = []              # TokenLogprob per output token (when requested)
         self.generator: torch.Generator | None = None
         if params.seed is not None:

@@ -18,6 +18,8 @@ import contextlib
 import hmac
 import logging
 import os
+import sys
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -27,20 +29,22 @@ from fastapi import Request
 
 from draftwise.entrypoints.openai import protocol as P
 from draftwise.entrypoints.openai.serving import (COMPLETION_DEFAULT_MAX_TOKENS, APIError, EngineLoop,
-                                                  ServerMetrics, Submission, TextDelta, TokenStrings,
+                                                  PromptPreparer, ServerMetrics, Submission, TextDelta,
+                                                  TokenStrings,
                                                   chat_logprobs, chat_messages, completion_logprobs,
                                                   finish_reason, full_response, sampling_kwargs, sse, usage)
 
 logger = logging.getLogger("draftwise.serve")
 
-ERRORS = {400: {"model": P.ErrorResponse}, 401: {"model": P.ErrorResponse}, 503: {"model": P.ErrorResponse}}
+ERRORS = {code: {"model": P.ErrorResponse} for code in (400, 401, 413, 429, 503)}
 _TYPE_ERRORS = ("int_type", "string_type", "bool_type", "float_type", "list_type", "dict_type", "model_type",
                 "int_parsing", "float_parsing", "literal_error", "model_attributes_type", "union_tag_invalid")
 
 
 def _error_response(err: APIError):
     from fastapi.responses import JSONResponse
-    return JSONResponse(err.body(), status_code=err.status)
+    headers = {"Retry-After": "1"} if err.status in (429, 503) else None
+    return JSONResponse(err.body(), status_code=err.status, headers=headers)
 
 
 def validation_error(errors: list[dict]) -> APIError:
@@ -68,7 +72,9 @@ def validation_error(errors: list[dict]) -> APIError:
 
 
 class _Gate:
-    """Pure ASGI middleware: API-key check and draining (503) for /v1/*; /health and /metrics stay open."""
+    """Pure ASGI middleware for /v1/*: draining (503), the API key (401), the request-size limit
+    (413, checked against Content-Length and again while a chunked body streams in) and overload
+    (429 with Retry-After); /health and /metrics stay open."""
 
     def __init__(self, app, state: "ServerState"):
         self.app = app
@@ -84,14 +90,75 @@ class _Gate:
             elif st.api_key is not None and not _auth_ok(scope, st.api_key):
                 err, outcome = APIError("Incorrect or missing API key: send 'Authorization: Bearer KEY'.",
                                         401, code="invalid_api_key"), "unauthorized"
+            elif _content_length(scope) > st.max_request_bytes:
+                err, outcome = _too_large(st.max_request_bytes), "too_large"
             if err is not None:
-                st.metrics.requests.labels(outcome=outcome).inc()
-                resp = _error_response(err)
-                if err.status == 401:
-                    resp.headers["WWW-Authenticate"] = "Bearer"
-                await resp(scope, receive, send)
+                await _refuse(st, err, outcome, scope, receive, send)
                 return
+            if scope["method"] == "POST" and not _has_content_length(scope):
+                # a chunked body: read it here, up to the limit, then replay it to the app
+                body = await _read_body(receive, st.max_request_bytes)
+                if body is None:
+                    await _refuse(st, _too_large(st.max_request_bytes), "too_large", scope, receive, send)
+                    return
+                receive = _replay(body, receive)
         await self.app(scope, receive, send)
+
+
+def _too_large(limit: int) -> APIError:
+    return APIError(f"the request body is larger than this server's limit of {limit} bytes "
+                    "(--max-request-bytes)", 413, code="request_too_large")
+
+
+async def _refuse(st: "ServerState", err: APIError, outcome: str, scope, receive, send) -> None:
+    st.metrics.requests.labels(outcome=outcome).inc()
+    resp = _error_response(err)
+    if err.status == 401:
+        resp.headers["WWW-Authenticate"] = "Bearer"
+    await resp(scope, receive, send)
+
+
+def _content_length(scope) -> int:
+    for k, v in scope.get("headers", ()):
+        if k == b"content-length":
+            try:
+                return int(v)
+            except ValueError:
+                return 0
+    return 0
+
+
+def _has_content_length(scope) -> bool:
+    return any(k == b"content-length" for k, _ in scope.get("headers", ()))
+
+
+async def _read_body(receive, limit: int) -> bytes | None:
+    """The whole request body, or None as soon as it passes `limit` bytes."""
+    parts, seen = [], 0
+    while True:
+        msg = await receive()
+        if msg["type"] != "http.request":
+            return b"".join(parts)
+        chunk = msg.get("body", b"")
+        seen += len(chunk)
+        if seen > limit:
+            return None
+        parts.append(chunk)
+        if not msg.get("more_body", False):
+            return b"".join(parts)
+
+
+def _replay(body: bytes, receive):
+    """`receive` that first yields `body` in one message, then defers to the real one (disconnects)."""
+    sent = False
+
+    async def wrapped():
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+    return wrapped
 
 
 def _auth_ok(scope, api_key: str) -> bool:
@@ -111,11 +178,20 @@ class ServerState:
     api_key: str | None
     metrics: ServerMetrics
     engine_loop: EngineLoop
+    preparer: PromptPreparer
+    max_request_bytes: int
     draining: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
 
 
-def build_app(llm, served_model_name: str, api_key: str | None = None):
+def default_max_request_bytes(max_model_len: int) -> int:
+    """Room for a full context of text even at 6 JSON bytes per character (\\uXXXX escapes) and
+    ~16 characters per token, and never under 1 MiB."""
+    return max(1 << 20, max_model_len * 16 * 6)
+
+
+def build_app(llm, served_model_name: str, api_key: str | None = None, max_request_bytes: int | None = None,
+              max_num_queued_requests: int | None = 64):
     """The FastAPI app serving `llm` (an `LLM`) under the name `served_model_name`. The engine thread
     starts with the app's lifespan (so run it under uvicorn or `with TestClient(app)`)."""
     from fastapi import FastAPI
@@ -125,11 +201,17 @@ def build_app(llm, served_model_name: str, api_key: str | None = None):
 
     SSEResponse = _sse_response_class()
     metrics = ServerMetrics()
-    state = ServerState(llm, served_model_name, api_key or None, metrics, EngineLoop(llm, metrics))
+    max_len = llm.engine.config.max_model_len
+    limit = max_request_bytes or default_max_request_bytes(max_len)
+    state = ServerState(llm, served_model_name, api_key or None, metrics,
+                        EngineLoop(llm, metrics, max_num_queued_requests=max_num_queued_requests),
+                        PromptPreparer(llm, max_prompt_chars=max_len * 64), limit)
     strings = TokenStrings(llm.engine.tokenizer)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
+        from draftwise.entrypoints.openai.serving import release_free_memory
+        release_free_memory()                 # what loading and compiling freed
         state.engine_loop.start()
         logger.info("serving %r (max_model_len=%d)", served_model_name, llm.engine.config.max_model_len)
         try:
@@ -164,7 +246,7 @@ def build_app(llm, served_model_name: str, api_key: str | None = None):
         if not state.engine_loop.alive:
             return JSONResponse({"status": "engine not running"}, status_code=503)
         if state.draining:
-            return JSONResponse({"status": "shutting down"}, status_code=503)
+            return JSONResponse({"status": "draining"}, status_code=503)
         return {"status": "ok"}
 
     @app.get("/metrics", response_class=Response)
@@ -192,13 +274,14 @@ def build_app(llm, served_model_name: str, api_key: str | None = None):
             else:
                 messages, prompt = None, body.single_prompt()
             sampling = sampling_kwargs(body, chat)
+            text, ids, default_max = await asyncio.to_thread(
+                state.preparer, prompt, messages, sampling, None if chat else COMPLETION_DEFAULT_MAX_TOKENS)
         except APIError:
             metrics.requests.labels(outcome="rejected").inc()
             raise
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        sub = Submission(rid, prompt, messages, sampling, None if chat else COMPLETION_DEFAULT_MAX_TOKENS,
-                         asyncio.get_running_loop(), asyncio.Queue())
+        sub = Submission(rid, text, ids, sampling, default_max, asyncio.get_running_loop(), asyncio.Queue())
         created = int(time.time())
         done = False
         try:
@@ -234,8 +317,11 @@ def build_app(llm, served_model_name: str, api_key: str | None = None):
             yield chunk("", role="assistant")
         while True:
             kind, payload = await q.get()
-            if kind == "error":
-                yield sse(payload.body())
+            if kind in ("error", "shutdown"):
+                err = payload if kind == "error" else APIError(
+                    "the server shut down before the request finished", 503, type="server_error",
+                    code="shutting_down")
+                yield sse(err.body())
                 break
             out = payload
             comp = out.outputs[0]
@@ -318,7 +404,7 @@ async def _wait_final(request, q: asyncio.Queue):
             kind, payload = get.result()
             if kind == "error":
                 raise payload
-            if payload.finished:
+            if kind == "shutdown" or payload.finished:       # shutdown: the partial output, "abort"
                 return payload
     finally:
         gone.cancel()
@@ -359,8 +445,17 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--enforce-eager", action="store_true",
                         help="no compiled graphs (faster start-up, slower steps)")
     parser.add_argument("--shutdown-timeout", type=float, default=30.0,
-                        help="seconds running requests get to finish on SIGTERM (default: 30)")
+                        help="seconds running requests get to finish on SIGTERM; new ones get 503 meanwhile "
+                             "(default: 30)")
+    parser.add_argument("--max-request-bytes", type=int, default=None,
+                        help="largest request body accepted, else 413 (default: room for a full context, "
+                             "at least 1 MiB)")
+    parser.add_argument("--max-num-queued-requests", type=int, default=64,
+                        help="requests that may wait beyond the running batch, else 429 with Retry-After; "
+                             "-1: no limit (default: 64)")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    from draftwise.entrypoints.cli import add_kv_cache_args
+    add_kv_cache_args(parser)
     return parser
 
 
@@ -382,12 +477,28 @@ def build_llm(args):
         kw["enable_prefix_caching"] = False
     if getattr(args, "tensor_parallel_size", 1) != 1:
         kw["tensor_parallel_size"] = args.tensor_parallel_size
+    if getattr(args, "kv_cache_memory", None):
+        kw["kv_cache_memory"] = args.kv_cache_memory
+    if getattr(args, "kv_cache_dtype", "auto") != "auto":
+        kw["kv_cache_dtype"] = args.kv_cache_dtype
     spec_arg = args.speculative_config
     if spec_arg is not None and spec_arg.strip().lower() in ("none", "null", ""):
         return LLM(args.model, speculative_config=None, **kw)
     if spec_arg is not None:
         return LLM(args.model, speculative_config=spec_arg, **kw)
     return LLM(args.model, speculative_config=default_speculative_config(args.model), **kw)
+
+
+def drain(state: ServerState, timeout: float) -> None:
+    """Refuse new requests (503), wait up to `timeout` seconds for running ones to finish, then end
+    the rest (streams: an error event and [DONE]; others: their partial output, finish_reason
+    "abort") and stop the engine thread. Blocking: run it off the event loop."""
+    state.draining = True
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and not state.engine_loop.is_idle:
+        time.sleep(0.05)
+    state.engine_loop.stop()                # ends whatever is left, each with its final event
+    time.sleep(0.1)                         # let the event loop write those events
 
 
 def run_server(args) -> None:
@@ -397,15 +508,32 @@ def run_server(args) -> None:
     api_key = args.api_key or os.environ.get("DRAFTWISE_API_KEY") or None
     llm = build_llm(args)
     name = args.served_model_name or args.model
-    app = build_app(llm, name, api_key=api_key)
+    queued = None if args.max_num_queued_requests is not None and args.max_num_queued_requests < 0 \
+        else args.max_num_queued_requests
+    app = build_app(llm, name, api_key=api_key, max_request_bytes=args.max_request_bytes,
+                    max_num_queued_requests=queued)
     state: ServerState = app.state.server
 
     class _Server(uvicorn.Server):
+        """SIGTERM / SIGINT drain: the listener stays open (new /v1 requests get 503, /health says
+        draining) while running requests finish, for up to --shutdown-timeout seconds; what is
+        still running then ends with an error event and [DONE] (streams) or finish_reason "abort";
+        then uvicorn closes. A second signal stops at once."""
+
         def handle_exit(self, sig, frame):
-            if not state.draining:
-                logger.info("signal %s: refusing new requests, finishing running ones (up to %.0fs)",
-                            sig, args.shutdown_timeout)
+            if state.draining:
+                self._stop_uvicorn(sig, frame)
+                return
+            logger.info("signal %s: refusing new requests, finishing running ones (up to %.0fs)",
+                        sig, args.shutdown_timeout)
             state.draining = True
+            threading.Thread(target=self._drain, args=(sig, frame), name="draftwise-drain", daemon=True).start()
+
+        def _drain(self, sig, frame):
+            drain(state, args.shutdown_timeout)
+            self._stop_uvicorn(sig, frame)
+
+        def _stop_uvicorn(self, sig, frame):
             super().handle_exit(sig, frame)
             # a graceful stop is a clean exit: do not let uvicorn re-raise the signal afterwards
             captured = getattr(self, "_captured_signals", None)
@@ -413,10 +541,17 @@ def run_server(args) -> None:
                 captured.clear()
 
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                            timeout_graceful_shutdown=args.shutdown_timeout)
+                            timeout_graceful_shutdown=5)
     if api_key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
         logger.warning("serving on %s without an API key", args.host)
     _Server(config).run()
+    logger.info("server stopped")
+    # skip the interpreter's final teardown (seconds of garbage collection over the model's objects):
+    # everything worth keeping is written already
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def main(argv=None) -> None:

@@ -11,9 +11,21 @@ from __future__ import annotations
 import time
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, field_validator
 
 Number = StrictFloat | StrictInt
+def _valid_unicode(v: str) -> str:
+    """Reject lone UTF-16 surrogates (JSON "\\ud800" escapes): they cannot be encoded as UTF-8, so
+    the tokenizer would fail on them later."""
+    try:
+        v.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"contains an unpaired surrogate (\\u{ord(v[e.start]):04x} at character {e.start}); "
+                         "text must be valid Unicode") from None
+    return v
+
+
+Text = Annotated[StrictStr, AfterValidator(_valid_unicode)]
 TokenIds = Annotated[list[Annotated[StrictInt, Field(ge=0)]], Field(min_length=1)]
 
 
@@ -45,8 +57,8 @@ class SamplingRequest(OpenAIModel):
     temperature: Annotated[Number, Field(ge=0)] = 1.0
     top_p: Annotated[Number, Field(gt=0, le=1)] = 1.0
     top_k: Annotated[StrictInt, Field(ge=-1)] = -1
-    seed: StrictInt | None = None
-    stop: StrictStr | list[StrictStr] | None = None
+    seed: Annotated[StrictInt, Field(ge=-(2 ** 63), lt=2 ** 64)] | None = None
+    stop: Text | list[Text] | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     n: StrictInt = 1
@@ -90,8 +102,8 @@ class SamplingRequest(OpenAIModel):
 
 
 class CompletionRequest(SamplingRequest):
-    prompt: Annotated[StrictStr, Field(min_length=1)] | TokenIds | Annotated[
-        list[Annotated[StrictStr, Field(min_length=1)] | TokenIds], Field(min_length=1, max_length=1)]
+    prompt: Annotated[Text, Field(min_length=1)] | TokenIds | Annotated[
+        list[Annotated[Text, Field(min_length=1)] | TokenIds], Field(min_length=1, max_length=1)]
     logprobs: Annotated[StrictInt, Field(ge=0, le=20)] | None = None
     echo: StrictBool = False
     suffix: StrictStr | None = None
@@ -127,13 +139,13 @@ class CompletionRequest(SamplingRequest):
 
 class TextPart(OpenAIModel):
     type: Literal["text"]
-    text: StrictStr
+    text: Text
 
 
 class ChatMessage(OpenAIModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: StrictStr | list[TextPart] | None = None
-    name: StrictStr | None = None
+    content: Text | list[TextPart] | None = None
+    name: Text | None = None
 
     def text(self) -> str:
         if self.content is None:
@@ -183,7 +195,7 @@ class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
-    finish_reason: Literal["stop", "length"] | None = None
+    finish_reason: Literal["stop", "length", "abort"] | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -218,7 +230,7 @@ class ChatCompletionChoice(BaseModel):
     index: int
     message: ChatResponseMessage
     logprobs: ChatLogprobs | None = None
-    finish_reason: Literal["stop", "length"] | None = None
+    finish_reason: Literal["stop", "length", "abort"] | None = None
 
 
 class ChatCompletionResponse(BaseModel):
@@ -239,7 +251,7 @@ class ChatStreamChoice(BaseModel):
     index: int
     delta: DeltaMessage
     logprobs: ChatLogprobs | None = None
-    finish_reason: Literal["stop", "length"] | None = None
+    finish_reason: Literal["stop", "length", "abort"] | None = None
 
 
 class ChatCompletionStreamResponse(BaseModel):

@@ -119,10 +119,10 @@ class ServerMetrics:
 @dataclass
 class Submission:
     request_id: str
-    prompt: Any                          # str | list[int]; None for chat
-    messages: list | None                # chat messages (template applied on the engine thread)
+    prompt: str | None                   # the prompt text (None for token-id prompts)
+    prompt_token_ids: list[int]          # tokenized off the engine thread (`prepare_prompt`)
     sampling: dict                       # SamplingParams kwargs (max_tokens may be None)
-    default_max_tokens: int | None       # None: up to the context (chat); else min(this, room left)
+    default_max_tokens: int              # max_tokens when the request gave none (fits the context)
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
     arrival: float = field(default_factory=time.time)
@@ -135,10 +135,13 @@ _STOP = object()
 class EngineLoop:
     """Runs `engine.step()` on one background thread for every connection."""
 
-    def __init__(self, llm, metrics: ServerMetrics | None = None, idle_poll_s: float = 0.5):
+    def __init__(self, llm, metrics: ServerMetrics | None = None, idle_poll_s: float = 0.5,
+                 max_num_queued_requests: int | None = None):
         self.llm = llm
         self.engine = llm.engine
         self.metrics = metrics
+        # admission control: requests beyond the running batch that may wait (None: no limit)
+        self.max_num_queued_requests = max_num_queued_requests
         self.idle_poll_s = idle_poll_s
         self._inbox: queue.Queue = queue.Queue()
         self._subs: dict[str, Submission] = {}     # engine thread only
@@ -169,11 +172,26 @@ class EngineLoop:
         if self._thread.is_alive():
             logger.warning("engine thread did not stop within %.1fs", timeout)
 
+    @property
+    def num_outstanding(self) -> int:
+        """Requests admitted or on their way to the engine (approximate when read off-thread)."""
+        return len(self._subs) + self._inbox.qsize()
+
+    @property
+    def is_idle(self) -> bool:
+        return not self._subs and self._inbox.empty()
+
     async def submit(self, sub: Submission) -> asyncio.Queue:
         """Queue a request; returns its output queue once the engine accepted it (raises APIError)."""
         with self._lock:               # either the engine thread will answer, or we refuse here
             if self._closed or not self.alive:
                 raise APIError("the engine is not running", 503, type="server_error", code="engine_unavailable")
+            limit = self.max_num_queued_requests
+            if limit is not None and self.num_outstanding >= self.engine.config.max_num_seqs + limit:
+                if self.metrics:
+                    self.metrics.requests.labels(outcome="overloaded").inc()
+                raise APIError(f"the server is at capacity ({self.engine.config.max_num_seqs} running and {limit} "
+                               "queued requests); retry later", 429, type="server_error", code="overloaded")
             self._inbox.put(("add", sub))
         kind, payload = await sub.queue.get()
         if kind == "error":
@@ -212,6 +230,8 @@ class EngineLoop:
                     self._step()
                 if cmds or busy:
                     self._publish_metrics()
+                if busy and not self.engine.has_unfinished_requests():
+                    release_free_memory()      # idle again: hand a large prompt's buffers back
         except BaseException as e:     # never leave handlers waiting forever
             self.fatal_error = e
             logger.exception("engine thread crashed")
@@ -237,33 +257,13 @@ class EngineLoop:
 
     def _add(self, sub: Submission) -> None:
         from draftwise.sampling_params import SamplingParams
-        engine = self.engine
         try:
-            if sub.messages is not None:
-                prompt = self.llm.apply_chat_template(sub.messages)
-                param = "messages"
-            else:
-                prompt = sub.prompt
-                param = "prompt"
-            text, ids = engine.tokenize_prompt(prompt)
-            if not ids:
-                raise APIError("the prompt is empty", param=param)
-            max_len = engine.config.max_model_len
-            if len(ids) >= max_len:
-                raise APIError(f"This model's maximum context length is {max_len} tokens, but the prompt has "
-                               f"{len(ids)} tokens (it must leave room for at least one new token).",
-                               param=param, code="context_length_exceeded")
             kw = dict(sub.sampling)
-            room = max_len - len(ids)
             if kw.get("max_tokens") is None:
-                kw["max_tokens"] = room if sub.default_max_tokens is None else min(sub.default_max_tokens, room)
-            elif len(ids) + kw["max_tokens"] > max_len:
-                raise APIError(f"This model's maximum context length is {max_len} tokens. However, you requested "
-                               f"{len(ids) + kw['max_tokens']} tokens ({len(ids)} in the prompt, "
-                               f"{kw['max_tokens']} for the completion). Please reduce the prompt or max_tokens.",
-                               param="max_tokens", code="context_length_exceeded")
+                kw["max_tokens"] = sub.default_max_tokens
             params = SamplingParams(**kw)
-            engine.add_request({"prompt_token_ids": ids, "prompt": text}, params, request_id=sub.request_id)
+            self.engine.add_request({"prompt_token_ids": sub.prompt_token_ids, "prompt": sub.prompt}, params,
+                                    request_id=sub.request_id)
         except APIError as e:
             self._reject(sub, e)
             return
@@ -271,12 +271,11 @@ class EngineLoop:
             self._reject(sub, APIError(str(e)))
             return
         except Exception as e:         # noqa: BLE001
-            if type(e).__module__.startswith("jinja2"):      # e.g. raise_exception() in a chat template
-                self._reject(sub, APIError(f"chat template error: {e}", param="messages"))
-                return
             logger.exception("add_request failed")
-            self._reject(sub, APIError(f"internal error: {e}", 500, type="server_error"), outcome="error")
+            self._reject(sub, APIError(f"internal error: {type(e).__name__}", 500, type="server_error"),
+                         outcome="error")
             return
+        ids = sub.prompt_token_ids
         self._subs[sub.request_id] = sub
         if self.metrics:
             self.metrics.prompt_tokens.inc(len(ids))
@@ -313,6 +312,13 @@ class EngineLoop:
                 continue
             if sub.first_token_time is None and out.new_token_ids:
                 sub.first_token_time = now
+            if out.outputs[0].finish_reason == "error":     # this request alone failed
+                del self._subs[out.request_id]
+                if self.metrics:
+                    self.metrics.requests.labels(outcome="error").inc()
+                items.append((sub, ("error", APIError(f"the request failed: {out.outputs[0].error}", 500,
+                                                      type="server_error", code="request_failed"))))
+                continue
             items.append((sub, ("output", out)))
             if out.finished:
                 del self._subs[out.request_id]
@@ -361,10 +367,22 @@ class EngineLoop:
         self._deliver(items)
 
     def _shutdown_requests(self, cmds: list) -> None:
+        """The drain ran out of time: every unfinished request ends now. Each gets its partial output
+        with finish_reason "abort" (a stream turns it into an error event and [DONE])."""
         err = APIError("the server is shutting down", 503, type="server_error", code="shutting_down")
         if self._subs:
             logger.warning("stopping the engine with %d unfinished request(s)", len(self._subs))
-        self._fail_all(err)
+        items = []
+        for rid, sub in list(self._subs.items()):
+            try:
+                out = self.engine.abort_request(rid)
+            except Exception:          # noqa: BLE001
+                out = None
+            items.append((sub, ("shutdown", out) if out is not None else ("error", err)))
+            if self.metrics:
+                self.metrics.requests.labels(outcome="abort").inc()
+        self._subs.clear()
+        self._deliver(items)
         self._reject_pending(cmds, err)
         self._publish_metrics()
 
@@ -375,6 +393,23 @@ class EngineLoop:
             self.metrics.observe_engine(self.engine.get_metrics())
         except Exception:              # noqa: BLE001
             logger.exception("reading engine metrics failed")
+
+
+def release_free_memory() -> None:
+    """Return freed heap memory to the OS (glibc keeps it in its arenas otherwise, so a server's RSS
+    would stay at the high-water mark of its largest prefill). A no-op off glibc."""
+    global _malloc_trim
+    if _malloc_trim is None:
+        try:
+            import ctypes
+            _malloc_trim = ctypes.CDLL("libc.so.6").malloc_trim
+        except (OSError, AttributeError):
+            _malloc_trim = False
+    if _malloc_trim:
+        _malloc_trim(0)
+
+
+_malloc_trim = None
 
 
 def _put_all(batch) -> None:
@@ -400,6 +435,61 @@ def sampling_kwargs(req: P.SamplingRequest, chat: bool) -> dict:
     except ValueError as e:
         raise APIError(str(e), code="invalid_value") from None
     return kw
+
+
+class PromptPreparer:
+    """Chat template + tokenization + context-length checks, run on a worker thread (never the
+    engine thread: a huge prompt must not stall everyone's decoding). One lock serialises tokenizer
+    calls (Hugging Face tokenizers mutate their padding / truncation state per call)."""
+
+    def __init__(self, llm, max_prompt_chars: int):
+        self.llm = llm
+        self.engine = llm.engine
+        self.max_prompt_chars = max_prompt_chars
+        self._lock = threading.Lock()
+
+    def __call__(self, prompt, messages, sampling: dict, default_max_tokens: int | None):
+        """-> (prompt text or None, token ids, max_tokens when none is given). Raises APIError."""
+        engine = self.engine
+        max_len = engine.config.max_model_len
+        param = "messages" if messages is not None else "prompt"
+        with self._lock:
+            try:
+                if messages is not None:
+                    prompt = self.llm.apply_chat_template(messages)
+                if isinstance(prompt, str) and len(prompt) > self.max_prompt_chars:
+                    # far more characters than the context can hold tokens: refuse before tokenizing
+                    raise APIError(f"This model's maximum context length is {max_len} tokens, but the prompt "
+                                   f"has {len(prompt)} characters (at least {len(prompt) // 16} tokens).",
+                                   param=param, code="context_length_exceeded")
+                text, ids = engine.tokenize_prompt(prompt)
+            except APIError:
+                raise
+            except (ValueError, TypeError) as e:
+                raise APIError(str(e), param=param) from None
+            except Exception as e:      # noqa: BLE001
+                if type(e).__module__.startswith("jinja2"):      # e.g. raise_exception() in a chat template
+                    raise APIError(f"chat template error: {e}", param="messages") from None
+                logger.exception("preparing a prompt failed")
+                raise APIError(f"could not tokenize the {param}: {type(e).__name__}", param=param) from None
+        if not ids:
+            raise APIError("the prompt is empty", param=param)
+        if len(ids) >= max_len:
+            raise APIError(f"This model's maximum context length is {max_len} tokens, but the prompt has "
+                           f"{len(ids)} tokens (it must leave room for at least one new token).",
+                           param=param, code="context_length_exceeded")
+        vocab = engine.model_cfg.vocab_size
+        if any(t < 0 or t >= vocab for t in ids):
+            raise APIError(f"prompt token ids must be in [0, {vocab})", param=param, code="invalid_value")
+        room = max_len - len(ids)
+        mt = sampling.get("max_tokens")
+        if mt is not None and len(ids) + mt > max_len:
+            raise APIError(f"This model's maximum context length is {max_len} tokens. However, you requested "
+                           f"{len(ids) + mt} tokens ({len(ids)} in the prompt, {mt} for the completion). "
+                           "Please reduce the prompt or max_tokens.", param="max_tokens",
+                           code="context_length_exceeded")
+        default = room if default_max_tokens is None else min(default_max_tokens, room)
+        return text, ids, default
 
 
 def chat_messages(req: P.ChatCompletionRequest) -> list[dict]:
@@ -436,7 +526,9 @@ class TokenStrings:
 
 
 def finish_reason(r: str | None) -> str | None:
-    return "length" if r == "length" else ("stop" if r is not None else None)
+    if r in ("length", "abort"):
+        return r
+    return "stop" if r is not None else None
 
 
 def usage(out) -> P.UsageInfo:
