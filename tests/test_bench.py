@@ -36,3 +36,19 @@ def test_bench_runs_methods_side_by_side(tmp_path):
     assert rc == 0
     sw = json.load(open(os.path.join(out, "sweep.json")))
     assert set(sw["tokens_per_s"]) == {"ar", "ngram"} and sw["batch_sizes"] == [1, 2]
+
+
+def test_step_cost_bench(tmp_path):
+    model = str(tmp_path / "m")
+    make_tiny_hf(model)
+    out = str(tmp_path / "sc")
+    rc = main(["bench", "step-cost", "--model", model, "--formats", "fp32,int4", "--threads", "1",
+               "--rows", "1,4", "--contexts", "8,40", "--repeats", "2", "--out", out])
+    assert rc == 0
+    data = json.load(open(os.path.join(out, "step_cost.json")))
+    rows = data["rows"]
+    assert len(rows) == 2 * 2 * 2 and "capability" in data["machine"]
+    for r in rows:
+        assert r["step_ms"] > 0 and r["linears_ms"] > 0 and r["lm_head_ms"] > 0
+        assert {"attention_ms", "other ops_ms", "python / dispatch_ms", "sampling_ms"} <= set(r)
+    assert os.path.getsize(os.path.join(out, "step_cost.png")) > 1000

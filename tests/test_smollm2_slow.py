@@ -21,7 +21,7 @@ def _mt_prompts(n):
 
 @pytest.fixture(scope="module")
 def smol():
-    return LLM(max_model_len=1024, max_num_seqs=8, speculative_config=None)
+    return LLM(max_model_len=1024, max_num_seqs=8, speculative_config=None, quantization=None)
 
 
 def test_greedy_matches_transformers_on_mt_bench(smol):
@@ -50,7 +50,7 @@ def test_shipped_drafter_is_lossless(smol, spec):
     prompts = [smol.apply_chat_template([{"role": "user", "content": q}]) for q in _mt_prompts(4)]
     sp = SamplingParams(temperature=0, max_tokens=64)
     ref = [o.outputs[0].token_ids for o in smol.generate(prompts, sp)]
-    llm = LLM(max_model_len=1024, max_num_seqs=8, speculative_config=spec)
+    llm = LLM(max_model_len=1024, max_num_seqs=8, speculative_config=spec, quantization=None)
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, sp)] == ref
     assert llm.get_metrics()["spec_decode"]["num_drafts"] > 0
 

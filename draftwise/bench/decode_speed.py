@@ -28,13 +28,13 @@ def _messages(batch):
 
 
 VARIANTS = {
-    "compiled": {"enforce_eager": False},
-    "eager": {"enforce_eager": True},
-    "eager-async": {"enforce_eager": True, "async_scheduling": True},
-    "compiled-async": {"enforce_eager": False, "async_scheduling": True},
+    "compiled": {"enforce_eager": False, "quantization": None},
+    "eager": {"enforce_eager": True, "quantization": None},
+    "eager-async": {"enforce_eager": True, "async_scheduling": True, "quantization": None},
+    "compiled-async": {"enforce_eager": False, "async_scheduling": True, "quantization": None},
     "int8": {"enforce_eager": False, "quantization": "int8"},
     "int4": {"enforce_eager": False, "quantization": "int4"},
-    "tp2": {"enforce_eager": True, "tensor_parallel_size": 2},
+    "tp2": {"enforce_eager": True, "tensor_parallel_size": 2, "quantization": None},
 }
 
 

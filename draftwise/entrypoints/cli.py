@@ -29,8 +29,9 @@ def _engine_args(p: argparse.ArgumentParser, spec_default: str | None = DEFAULT_
     p.add_argument("--compile", action="store_true",
                    help="compiled graphs with warmup buckets (faster steps after a 1-5 min warmup; "
                         "`serve` and `bench` compile by default)")
-    p.add_argument("--quantization", default=None, choices=["int8", "int4"],
-                   help="weight-only quantization of the target's linears (default: none, fp32)")
+    p.add_argument("--quantization", default="auto", choices=["auto", "none", "int8", "int4"],
+                   help="weights: auto (default: the model's own format - the packaged Q4_1 GGUF runs as "
+                        "int4), none (fp32), int8 / int4 (weight-only quantization)")
     p.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="shard the target over this many processes (torch.distributed)")
     p.add_argument("--compile-sizes", default=None,
@@ -240,6 +241,10 @@ def main(argv=None) -> int:
     if argv[:2] == ["bench", "load"]:            # the load / soak / bad-input tool has its own flags
         from draftwise.bench.load import main as load_main
         load_main(argv[2:])
+        return 0
+    if argv[:2] == ["bench", "step-cost"]:
+        from draftwise.bench.step_cost import main as step_cost_main
+        step_cost_main(argv[2:])
         return 0
     parser = make_parser()
     args = parser.parse_args(argv)

@@ -27,20 +27,34 @@ def default_speculative_config(model: str) -> dict:
     return dict(DEFAULT_TRAINING_FREE)
 
 
+def resolve_quantization(model: str, quantization: str | None) -> str | None:
+    """"auto" (the default): the model's own weight format - a Q4_1 GGUF (the packaged SmolLM2) runs
+    as int4, exactly its blocks; anything else in its checkpoint dtype. "none" / None: the checkpoint
+    dtype (a GGUF dequantized to fp32). "int8" / "int4": weight-only quantization."""
+    if quantization is None or str(quantization).lower() in ("none", "fp32", "float32"):
+        return None
+    if str(quantization).lower() == "auto":
+        from draftwise.models.loader import native_quantization
+        return native_quantization(model)
+    return quantization
+
+
 class LLM:
     """`speculative_config`: "auto" (default: see DEFAULT_TRAINING_FREE), None (plain decoding), or a
-    dict / JSON string (SpeculativeConfig's keys)."""
+    dict / JSON string (SpeculativeConfig's keys). `quantization`: "auto" (default: the model's own
+    weight format, see `resolve_quantization`), None (full precision), "int8" or "int4"."""
     def __init__(self, model: str = DEFAULT_MODEL, *, max_model_len: int = 2048, max_num_seqs: int = 16,
                  max_num_batched_tokens: int | None = None, block_size: int = 16,
                  num_kv_blocks: int | None = None, dtype: str = "float32", device: str = "cpu",
                  seed: int = 0, speculative_config="auto", enforce_eager: bool | None = None,
-                 compile_sizes: tuple[int, ...] | None = None, quantization: str | None = None,
+                 compile_sizes: tuple[int, ...] | None = None, quantization: str | None = "auto",
                  enable_prefix_caching: bool = True, tensor_parallel_size: int = 1,
                  async_scheduling: bool = False, kv_cache_memory: int | str | None = None,
                  kv_cache_dtype: str = "auto"):
         if isinstance(speculative_config, str) and speculative_config.strip().lower() == "auto":
             speculative_config = default_speculative_config(model)
         spec = SpeculativeConfig.from_any(speculative_config)
+        quantization = resolve_quantization(model, quantization)
         cfg = EngineConfig(model=model, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                            max_num_batched_tokens=max_num_batched_tokens or max(max_model_len, 512),
                            block_size=block_size, num_kv_blocks=num_kv_blocks, dtype=dtype,

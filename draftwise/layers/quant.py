@@ -134,13 +134,15 @@ class _QuantizedLinear(nn.Module):
         """The dequantized [out, in] weight (for code that reads weights directly)."""
         return self.dequantize()
 
+    max_kernel_rows = MAX_KERNEL_ROWS
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        if x2.shape[0] <= MAX_KERNEL_ROWS and x.device.type == "cpu":
+        if x2.shape[0] <= self.max_kernel_rows and x.device.type == "cpu":
             y = self._kernel(x2.to(torch.bfloat16)).to(x.dtype)
         else:
-            dt = dense_gemm_dtype(x.device)
+            dt = self.dense_dtype if x.device.type == "cpu" else torch.float32
             y = (x2.to(dt) @ self.dequantize().to(dt).t()).to(x.dtype)
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
@@ -148,38 +150,92 @@ class _QuantizedLinear(nn.Module):
 
 
 class Int8Linear(_QuantizedLinear):
-    def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None):
+    """Per-output-channel int8. Runs on draftwise's int8 kernel where `int4_kernel_choice()` measured
+    it faster (flat in the row count: the LM head verifying 16 drafts costs what one row costs), else
+    on PyTorch's `_weight_int8pack_mm`; one copy of the codes either way."""
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
+                 backend: dict | None = None):
         super().__init__()
+        self.dense_dtype = dense_gemm_dtype()      # decided here: never inside a traced forward
         self.out_features, self.in_features = q.shape
-        self.register_buffer("qweight", q.contiguous())
-        self.register_buffer("scale", scale.to(torch.bfloat16).contiguous())
+        backend = backend or {}
+        fits = self.out_features % 16 == 0 and self.in_features % 32 == 0
+        self.draftwise_kernel = backend.get("int8") == "draftwise" and fits
+        self.draftwise_large = self.draftwise_kernel and backend.get("large") == "draftwise"
+        if self.draftwise_kernel:
+            from draftwise.kernels import amx, pack_int8
+            self.use_amx = amx()
+            self.register_buffer("kernel_q8", pack_int8(q.contiguous()))
+            self.register_buffer("kernel_scale", scale.to(torch.bfloat16).float().contiguous())
+        else:
+            self.register_buffer("qweight", q.contiguous())
+            self.register_buffer("scale", scale.to(torch.bfloat16).contiguous())
         self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
 
     def dequantize(self) -> torch.Tensor:
+        if self.draftwise_kernel:
+            from draftwise.kernels import unpack_int8
+            return unpack_int8(self.kernel_q8).float() * self.kernel_scale[:, None]
         return self.qweight.float() * self.scale.float()[:, None]
 
     def _kernel(self, x2):
+        if self.draftwise_kernel:
+            from draftwise.kernels import int8_linear
+            return int8_linear(x2, self.kernel_q8, self.kernel_scale, self.use_amx)
         return torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self.scale)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.draftwise_large and x.device.type == "cpu" and x.reshape(-1, x.shape[-1]).shape[0] > MAX_KERNEL_ROWS:
+            shape = x.shape
+            y = self._kernel(x.reshape(-1, shape[-1]).to(torch.bfloat16)).to(x.dtype)
+            if self.bias is not None:
+                y = y + self.bias.to(y.dtype)
+            return y.reshape(*shape[:-1], self.out_features)
+        return super().forward(x)
 
 
 class Int4Linear(_QuantizedLinear):
+    """Group-wise int4 (w = codes * scale + minimum per group of 32 inputs). Small row counts run on
+    the kernel `draftwise.kernels.int4_kernel_choice()` measured fastest on this machine: this
+    package's weight-stationary AVX512-BF16 / AMX kernel (which then also serves prefill where it
+    measured faster than a dense GEMM), or PyTorch's `_weight_int4pack_mm_for_cpu`. Either way
+    one copy of the codes is kept, in that kernel's layout."""
+
     def __init__(self, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, group: int = INT4_GROUP,
-                 bias: torch.Tensor | None = None):
+                 bias: torch.Tensor | None = None, backend: dict | None = None):
         super().__init__()
         N, K = codes.shape
         self.out_features, self.in_features, self.group = N, K, group
-        s = scale.to(torch.bfloat16)
-        z = (minimum.float() + 8.0 * scale.float()).to(torch.bfloat16)          # w = (q - 8) s + z
-        self.register_buffer("scales_and_zeros", torch.stack([s, z], -1).transpose(0, 1).contiguous())
-        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(
-            codes.to(torch.int32).contiguous(), 1))
-        # the codes again, two per byte in our own layout (ATen's packing is private to its kernel):
-        # what large-row GEMMs dequantize from
-        c = codes.to(torch.uint8)
-        self.register_buffer("nibbles", (c[:, 0::2] | (c[:, 1::2] << 4)).contiguous())
+        self.dense_dtype = dense_gemm_dtype()
+        if backend is None:
+            backend = {"small": "aten", "large": "dense"}
+        fits = group == INT4_GROUP and N % 16 == 0
+        self.draftwise_kernel = backend["small"] == "draftwise" and fits      # rows up to MAX_KERNEL_ROWS
+        self.draftwise_large = backend["large"] == "draftwise" and fits       # more rows (prefill)
+        if self.draftwise_kernel or self.draftwise_large:
+            from draftwise.kernels import amx, pack_int4
+            self.use_amx = amx()
+            nib, sm = pack_int4(codes, scale, minimum)
+            self.register_buffer("kernel_nibbles", nib)
+            self.register_buffer("kernel_sm", sm)
+        if not self.draftwise_kernel:
+            s = scale.to(torch.bfloat16)
+            z = (minimum.float() + 8.0 * scale.float()).to(torch.bfloat16)          # w = (q - 8) s + z
+            self.register_buffer("scales_and_zeros", torch.stack([s, z], -1).transpose(0, 1).contiguous())
+            self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+                codes.to(torch.int32).contiguous(), 1))
+            if not self.draftwise_large:
+                # the codes again, two per byte in our own layout (ATen's packing is private to its
+                # kernel): what large-row GEMMs dequantize from
+                c = codes.to(torch.uint8)
+                self.register_buffer("nibbles", (c[:, 0::2] | (c[:, 1::2] << 4)).contiguous())
         self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
 
     def dequantize(self) -> torch.Tensor:
+        if self.draftwise_kernel or self.draftwise_large:
+            from draftwise.kernels import unpack_int4
+            return unpack_int4(self.kernel_nibbles, self.kernel_sm)
         N, K, g = self.out_features, self.in_features, self.group
         q = torch.stack([self.nibbles & 15, self.nibbles >> 4], -1).reshape(N, K // g, g).float()
         s = self.scales_and_zeros[..., 0].t().float()[..., None]      # [N, K/g, 1]
@@ -187,7 +243,21 @@ class Int4Linear(_QuantizedLinear):
         return ((q - 8.0) * s + z).reshape(N, K)
 
     def _kernel(self, x2):
+        if self.draftwise_kernel:
+            from draftwise.kernels import int4_linear
+            return int4_linear(x2, self.kernel_nibbles, self.kernel_sm, self.use_amx)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed, self.group, self.scales_and_zeros)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.draftwise_large and x.device.type == "cpu" and x.reshape(-1, x.shape[-1]).shape[0] > MAX_KERNEL_ROWS:
+            from draftwise.kernels import int4_linear
+            shape = x.shape
+            y = int4_linear(x.reshape(-1, shape[-1]).to(torch.bfloat16), self.kernel_nibbles, self.kernel_sm,
+                            self.use_amx).to(x.dtype)
+            if self.bias is not None:
+                y = y + self.bias.to(y.dtype)
+            return y.reshape(*shape[:-1], self.out_features)
+        return super().forward(x)
 
 
 def _linear_weight(mod: nn.Module) -> torch.Tensor:
@@ -211,6 +281,10 @@ def quantize_model(model: nn.Module, mode: str, int4_source: dict | None = None,
         raise ValueError(f"unknown quantization {mode!r}; choose one of {', '.join(QUANTIZATION_MODES)} or None")
     counts = {"exact": 0, "quantized": 0}
     int4_source = int4_source or {}
+    backend = None
+    if next(model.parameters(), torch.empty(0)).device.type == "cpu":
+        from draftwise.kernels import int4_kernel_choice
+        backend = int4_kernel_choice()
     for name, child in list(model.named_modules()):
         for cname, sub in list(child.named_children()):
             full = f"{name}.{cname}" if name else cname
@@ -224,10 +298,10 @@ def quantize_model(model: nn.Module, mode: str, int4_source: dict | None = None,
                 else:
                     codes, scale, mn = quantize_int4_groupwise(w)
                     counts["quantized"] += 1
-                new = Int4Linear(codes, scale, mn, INT4_GROUP, b)
+                new = Int4Linear(codes, scale, mn, INT4_GROUP, b, backend=backend)
             else:
                 q, s = quantize_int8_per_channel(w)
-                new = Int8Linear(q, s, b)
+                new = Int8Linear(q, s, b, backend=backend)
                 counts["quantized"] += 1
             setattr(child, cname, new)
     return counts

@@ -43,6 +43,20 @@ def gguf_path_for(model: str) -> str | None:
     return None
 
 
+def native_quantization(model: str) -> str | None:
+    """The weight format a model runs in by default: "int4" when it is a GGUF whose layer linears
+    are all Q4_1 blocks (the int4 kernels read them exactly, layers/quant.py), else None (the
+    checkpoint's dtype)."""
+    gguf = gguf_path_for(model)
+    if gguf is None:
+        return None
+    from gguf import GGUFReader
+    reader = GGUFReader(gguf)          # memory-mapped: only the tensor index is read here
+    kinds = {t.tensor_type.name for t in reader.tensors
+             if t.name.startswith("blk.") and t.name.endswith(".weight") and len(t.shape) == 2}
+    return "int4" if kinds == {"Q4_1"} else None
+
+
 def resolve_model_dir(model: str) -> str:
     """Return a local Hugging Face-style directory for `model` (converting a GGUF once)."""
     if model in PACKAGED_GGUF:

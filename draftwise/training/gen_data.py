@@ -152,6 +152,7 @@ def generate_data(cfg: GenDataConfig, progress: bool = True) -> dict:
     os.makedirs(cfg.out, exist_ok=True)
     max_len = cfg.max_prompt_tokens + cfg.max_tokens
     llm = LLM(cfg.target, max_model_len=max_len + 1, max_num_seqs=cfg.batch_size, speculative_config=None,
+              quantization=None,             # the drafters are trained on the full-precision target
               enable_prefix_caching=False,   # every row must be computed: its hidden states are the data
               max_num_batched_tokens=max(2048, max_len + 1), enforce_eager=cfg.enforce_eager, seed=cfg.seed)
     engine = llm.engine

@@ -125,26 +125,40 @@ class ModelRunner:
         logger.info("compiled %d graph families in %.1f s", len(self.graphs), time.perf_counter() - t0)
 
     @torch.inference_mode()
-    def measure_target_costs(self, sizes, repeats: int = 3) -> dict[int, float]:
-        """Seconds per target forward (layers + LM head on every row) for each token count in
-        `sizes`, best of `repeats`, on scratch KV blocks (call before serving)."""
-        from draftwise.worker.compiled_graphs import warmup_metadata
-        scratch = list(range(self.kv_cache.num_blocks))
+    def measure_target_costs(self, sizes, repeats: int = 3, context: int = 0) -> dict[int, float]:
+        """Seconds per target forward (layers + LM head on every row) of one request feeding each
+        token count in `sizes` after `context` cached tokens, best of `repeats`, on scratch KV
+        blocks (call before serving). The adaptive policy's cost table and `draftwise bench
+        step-cost` both read this."""
         costs = {}
         for n in sizes:
-            if -(-n // self.block_size) > len(scratch):
+            inputs = self.scratch_step_inputs(n, context)
+            if inputs is None:
                 break
-            meta = warmup_metadata(n, scratch, self.block_size, self.device)
-            ids = torch.zeros(n, dtype=torch.long, device=self.device)
-            pos = torch.arange(n, device=self.device)
             best = float("inf")
             for i in range((repeats if n <= 8 else 2) + 1):
                 t0 = time.perf_counter()
-                self._target_forward(ids, pos, meta, pos)
+                self._target_forward(*inputs)
                 if i:
                     best = min(best, time.perf_counter() - t0)
             costs[n] = best
         return costs
+
+    def scratch_step_inputs(self, n: int, context: int = 0):
+        """(input_ids, positions, attention metadata, logits rows) of one request feeding `n` tokens
+        after `context` cached ones, in scratch KV blocks; None if the pool is too small."""
+        from draftwise.layers.attention import CAUSAL, AttentionMetadata
+        total = context + n
+        need = -(-total // self.block_size)
+        if need > self.kv_cache.num_blocks:
+            return None
+        bt = torch.arange(need, dtype=torch.long, device=self.device)[None]
+        pos = torch.arange(context, total, device=self.device)
+        slots = slots_for_positions(bt, torch.zeros_like(pos), pos, self.block_size)
+        meta = AttentionMetadata(slots, [n], [total], bt, self.block_size, CAUSAL,
+                                 row_invariant=self.config.quantization is not None).finalize()
+        ids = torch.zeros(n, dtype=torch.long, device=self.device)
+        return ids, pos, meta, torch.arange(n, device=self.device)
 
     # --- helpers ---------------------------------------------------------------------------------
     def _block_tables(self, reqs) -> torch.Tensor:

@@ -437,8 +437,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--served-model-name", default=None, help="model id clients send (default: --model)")
     parser.add_argument("--seed", type=int, default=0, help="engine seed (default: 0)")
     parser.add_argument("--dtype", default=None, help="float32 (default), bfloat16, float16")
-    parser.add_argument("--quantization", default=None, choices=["int8", "int4"],
-                        help="weight-only quantization of the target's linears (default: none)")
+    parser.add_argument("--quantization", default="auto", choices=["auto", "none", "int8", "int4"],
+                        help="weights: auto (default: the model's own format - the packaged Q4_1 GGUF runs as "
+                             "int4), none (fp32), int8 / int4 (weight-only quantization)")
     parser.add_argument("--no-prefix-caching", action="store_true", help="disable automatic prefix caching")
     parser.add_argument("--tensor-parallel-size", type=int, default=1,
                         help="shard the target over this many processes (torch.distributed; default 1)")
@@ -471,8 +472,7 @@ def build_llm(args):
         kw["dtype"] = args.dtype
     if getattr(args, "enforce_eager", False):
         kw["enforce_eager"] = True
-    if getattr(args, "quantization", None):
-        kw["quantization"] = args.quantization
+    kw["quantization"] = getattr(args, "quantization", "auto")
     if getattr(args, "no_prefix_caching", False):
         kw["enable_prefix_caching"] = False
     if getattr(args, "tensor_parallel_size", 1) != 1:

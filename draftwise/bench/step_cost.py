@@ -1,0 +1,215 @@
+"""What one target step costs, by query rows: the measurement speculation lives or dies by.
+
+    draftwise bench step-cost [--formats fp32,bf16,int8,int4] [--threads 1,2] [--rows 1,2,4,8,16,32]
+                              [--contexts 128,1024] [--compiled] [--out bench_out/step_cost]
+
+For one request with `context` tokens in the KV cache feeding M new rows (M = 1: plain decoding;
+M = K + 1: verifying K drafts), each weight format and thread count: the full target step (layers +
+LM head on every row, `ModelRunner.measure_target_costs`, the same code the adaptive policy's cost
+table reads) plus greedy acceptance, and where its time goes - layer linears, attention (KV writes
+and reads included), other ops (norms, RoPE, residuals, embedding, casts), Python / dispatch (the
+wall time no op accounts for), LM head, sampling / acceptance. The split comes from one
+torch.profiler pass per point (op self-times), scaled to the unprofiled wall time. Prints a
+Markdown table per context with t(M)/t(1) ratios, writes JSON and a PNG plot; the header names the
+CPU and its ISA."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+
+FORMATS = {"fp32": dict(quantization=None, dtype="float32"), "bf16": dict(quantization=None, dtype="bfloat16"),
+           "int8": dict(quantization="int8", dtype="float32"), "int4": dict(quantization="int4", dtype="float32"),
+           # int4 on one kernel (DRAFTWISE_INT4_KERNEL), whatever the measured choice would be
+           "int4-aten": dict(quantization="int4", dtype="float32", int4_kernel="aten"),
+           "int4-draftwise": dict(quantization="int4", dtype="float32", int4_kernel="draftwise")}
+LINEAR_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::_weight_int4pack_mm_for_cpu", "aten::_weight_int8pack_mm",
+              "mkldnn::_linear_pointwise", "aten::linear", "aten::matmul", "draftwise::int4_linear",
+              "draftwise::int8_linear")
+ATTENTION_OPS = ("scaled_dot_product", "aten::index_select", "aten::index_copy", "aten::_efficient_attention",
+                 "aten::_flash_attention")
+
+
+def machine_line() -> str:
+    from draftwise.layers.quant import _cpu_flags
+    model = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "")
+    except OSError:
+        pass
+    return (f"{model or 'unknown CPU'}, {os.cpu_count()} cores; torch {torch.__version__} "
+            f"(capability {torch.backends.cpu.get_cpu_capability()}; {_cpu_flags() or 'no AVX-512/AMX flags'})")
+
+
+def _category(name: str) -> str:
+    if name.startswith(LINEAR_OPS):
+        return "linears"
+    if any(k in name for k in ATTENTION_OPS):
+        return "attention"
+    return "other ops"
+
+
+def _split(runner, inputs, lm_head_rows: torch.Tensor) -> dict[str, float]:
+    """Seconds by category of one layer-stack call (profiled), plus the LM head and greedy acceptance
+    timed on their own."""
+    from torch.profiler import ProfilerActivity, profile
+    model = runner.model
+    ids, pos, meta, _ = inputs
+    kv = runner.kv_cache
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        t0 = time.perf_counter()
+        h, _ = model.run_layers(ids, pos, meta, kv)
+        wall = time.perf_counter() - t0
+    by = {"linears": 0.0, "attention": 0.0, "other ops": 0.0}
+    for ev in prof.key_averages():
+        by[_category(ev.key)] += ev.self_cpu_time_total / 1e6
+    ops = sum(by.values())
+    by["python / dispatch"] = max(0.0, wall - ops)
+    return by
+
+
+@torch.inference_mode()
+def measure_format(fmt: str, model: str, threads: list[int], rows: list[int], contexts: list[int],
+                   compiled: bool, repeats: int) -> list[dict]:
+    from draftwise import LLM
+    from draftwise.sample.rejection_sampler import greedy_rejection_sample
+    kw = dict(FORMATS[fmt])
+    kernel = kw.pop("int4_kernel", None)
+    old = os.environ.get("DRAFTWISE_INT4_KERNEL")
+    if kernel:
+        os.environ["DRAFTWISE_INT4_KERNEL"] = kernel
+    try:
+        llm = LLM(model, max_model_len=max(contexts) + max(rows) + 64, max_num_seqs=1,
+                  speculative_config=None,
+                  enforce_eager=not compiled, **kw)
+    finally:
+        if kernel:
+            if old is None:
+                os.environ.pop("DRAFTWISE_INT4_KERNEL", None)
+            else:
+                os.environ["DRAFTWISE_INT4_KERNEL"] = old
+    runner = llm.engine.runner
+    out = []
+    for th in threads:
+        torch.set_num_threads(th)
+        for ctx in contexts:
+            for m in rows:
+                total = runner.measure_target_costs([m], repeats=repeats, context=ctx)[m]
+                inputs = runner.scratch_step_inputs(m, ctx)
+                h, _ = runner.model.run_layers(*inputs[:3], runner.kv_cache)
+                best_head = best_layers = best_sample = float("inf")
+                drafts = torch.zeros(1, max(m - 1, 1), dtype=torch.long)
+                nd = torch.tensor([m - 1])
+                for _ in range(repeats):
+                    t0 = time.perf_counter()
+                    runner.model.run_layers(*inputs[:3], runner.kv_cache)
+                    t1 = time.perf_counter()
+                    logits = runner.model.compute_logits(h)
+                    t2 = time.perf_counter()
+                    greedy_rejection_sample(logits.argmax(-1), drafts, nd).tolist()
+                    t3 = time.perf_counter()
+                    best_layers, best_head, best_sample = (min(best_layers, t1 - t0), min(best_head, t2 - t1),
+                                                           min(best_sample, t3 - t2))
+                split = _split(runner, inputs, inputs[3])
+                scale = best_layers / max(sum(split.values()), 1e-9)    # profiler overhead removed
+                row = {"format": fmt, "threads": th, "context": ctx, "rows": m,
+                       "step_ms": (total + best_sample) * 1e3}
+                row.update({k + "_ms": v * scale * 1e3 for k, v in split.items()})
+                row["lm_head_ms"] = best_head * 1e3
+                row["sampling_ms"] = best_sample * 1e3
+                out.append(row)
+                print(f"  {fmt} {th} thr ctx {ctx} M={m}: {row['step_ms']:.1f} ms", flush=True)
+    del llm
+    return out
+
+
+def format_table(rows: list[dict]) -> str:
+    lines = []
+    for ctx in sorted({r["context"] for r in rows}):
+        lines.append(f"\ncontext {ctx} tokens: full target step in ms (ratio to M=1), then the split at the "
+                     "largest M")
+        ms = sorted({r["rows"] for r in rows})
+        lines.append("| weights | threads | " + " | ".join(f"M={m}" for m in ms)
+                     + " | linears | attention | other ops | python | LM head | sampling |")
+        lines.append("|---|---|" + "---|" * (len(ms) + 6))
+        for fmt in dict.fromkeys(r["format"] for r in rows):
+            for th in sorted({r["threads"] for r in rows}):
+                pts = {r["rows"]: r for r in rows if r["format"] == fmt and r["threads"] == th and r["context"] == ctx}
+                if not pts:
+                    continue
+                base = pts[ms[0]]["step_ms"]
+                cells = [f"{pts[m]['step_ms']:.1f}" + (f" ({pts[m]['step_ms'] / base:.2f}x)" if m != ms[0] else "")
+                         for m in ms]
+                big = pts[ms[-1]]
+                split = [big["linears_ms"], big["attention_ms"], big["other ops_ms"], big["python / dispatch_ms"],
+                         big["lm_head_ms"], big["sampling_ms"]]
+                lines.append(f"| {fmt} | {th} | " + " | ".join(cells) + " | " + " | ".join(f"{x:.1f}" for x in split)
+                             + " |")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: str, title: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    threads = sorted({r["threads"] for r in rows})
+    ctxs = sorted({r["context"] for r in rows})
+    fig, axes = plt.subplots(len(ctxs), len(threads), figsize=(5.5 * len(threads), 4 * len(ctxs)), squeeze=False)
+    for i, ctx in enumerate(ctxs):
+        for j, th in enumerate(threads):
+            ax = axes[i][j]
+            for fmt in dict.fromkeys(r["format"] for r in rows):
+                pts = sorted((r["rows"], r["step_ms"]) for r in rows
+                             if r["format"] == fmt and r["threads"] == th and r["context"] == ctx)
+                if pts:
+                    ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=fmt)
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("query rows M (1 = plain decoding, K+1 = verifying K drafts)")
+            ax.set_ylabel("target step, ms")
+            ax.set_title(f"context {ctx}, {th} thread{'s' if th > 1 else ''}")
+            ax.grid(alpha=0.3)
+            ax.legend()
+    fig.suptitle(title, fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None) -> list[dict]:
+    from draftwise.models.loader import DEFAULT_MODEL
+    ap = argparse.ArgumentParser(prog="draftwise bench step-cost", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=DEFAULT_MODEL)
+    ap.add_argument("--formats", default="fp32,bf16,int8,int4",
+                    help=f"comma-separated, from {', '.join(FORMATS)}")
+    ap.add_argument("--threads", default="1,2")
+    ap.add_argument("--rows", default="1,2,4,8,16,32")
+    ap.add_argument("--contexts", default="128,1024")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--compiled", action="store_true", help="compiled graphs (default: eager)")
+    ap.add_argument("--out", default="bench_out/step_cost")
+    a = ap.parse_args(argv)
+    ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
+    fmts = a.formats.split(",")
+    bad = [f for f in fmts if f not in FORMATS]
+    if bad:
+        raise SystemExit(f"unknown format(s) {bad}; choose from {', '.join(FORMATS)}")
+    head = f"{machine_line()}; {'compiled' if a.compiled else 'eager'}"
+    print(head, flush=True)
+    rows = []
+    for f in fmts:
+        rows += measure_format(f, a.model, ints(a.threads), ints(a.rows), ints(a.contexts), a.compiled, a.repeats)
+    os.makedirs(a.out, exist_ok=True)
+    with open(os.path.join(a.out, "step_cost.json"), "w") as fh:
+        json.dump({"machine": head, "rows": rows}, fh, indent=1)
+    plot(rows, os.path.join(a.out, "step_cost.png"), head)
+    print(head)
+    print(format_table(rows))
+    print(f"wrote {a.out}/step_cost.json and step_cost.png")
+    return rows
+
+
+if __name__ == "__main__":
+    main()

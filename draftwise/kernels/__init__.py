@@ -1,0 +1,245 @@
+"""Hand-written CPU kernels, compiled on first use with torch.utils.cpp_extension (cached under
+torch's extension directory, so later starts load the built library in well under a second).
+
+`int4_cpu.cpp`: a weight-stationary int4 (group 32, GGUF Q4_1) linear for the small row counts of
+decoding and verification, on AVX512-BF16 dot products or AMX-BF16 tiles (see the file). Machines
+without AVX512-BF16, or without a C++ compiler / ninja, keep PyTorch's own int4 kernel: `load()`
+returns None and says why once."""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+
+import torch
+
+logger = logging.getLogger("draftwise")
+_lock = threading.Lock()
+_state: dict = {}
+
+
+def cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def load():
+    """The compiled int4 kernel module, or None where it cannot run here."""
+    with _lock:
+        if "mod" in _state:
+            return _state["mod"]
+        mod = None
+        flags = cpu_flags()
+        if os.environ.get("DRAFTWISE_NO_KERNELS"):
+            why = "DRAFTWISE_NO_KERNELS is set"
+        elif "avx512_bf16" not in flags:
+            why = "the CPU has no AVX512-BF16"
+        else:
+            why = None
+            try:
+                from torch.utils.cpp_extension import load as build
+                src = os.path.join(os.path.dirname(__file__), "int4_cpu.cpp")
+                logger.info("building the int4 CPU kernel (first run only)")
+                mod = build(name="draftwise_int4_cpu", sources=[src], extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"],
+                            verbose=False)
+            except Exception as e:     # noqa: BLE001 - no compiler, no ninja, ...
+                why = f"it could not be built ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
+        if mod is None:
+            logger.warning("int4 kernel: using PyTorch's (%s)", why)
+        _state["mod"] = mod
+        _state["amx"] = bool(mod is not None and {"amx_bf16", "amx_tile"} <= flags and mod.amx_available())
+        return mod
+
+
+def amx() -> bool:
+    load()
+    return _state.get("amx", False)
+
+
+def pack_int4(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor):
+    """codes uint8 [N, K] (0..15), scale / minimum [N, K/32] (w = codes * scale + minimum) -> the
+    kernel's (nibbles uint8 [N/16, K/2, 16], sm float [N/16, K/32, 2, 16]); sm holds the scale and
+    minimum - 128 * scale (the kernel multiplies 128 + code, see int4_cpu.cpp)."""
+    N, K = codes.shape
+    c = codes.to(torch.uint8).reshape(N // 16, 16, K // 2, 2)
+    nib = (c[..., 0] | (c[..., 1] << 4)).transpose(1, 2).contiguous()          # [N/16, K/2, 16]
+    s = scale.float().reshape(N // 16, 16, K // 32).transpose(1, 2)             # [N/16, K/32, 16]
+    m = minimum.float().reshape(N // 16, 16, K // 32).transpose(1, 2) - 128.0 * s
+    return nib, torch.stack([s, m], 2).contiguous()                             # [N/16, K/32, 2, 16]
+
+
+def unpack_int4(nibbles: torch.Tensor, sm: torch.Tensor) -> torch.Tensor:
+    """The fp32 [N, K] weight of a packed layout, computed as the kernel does: (128 + code) * scale
+    + (minimum - 128 * scale)."""
+    B, P, _ = nibbles.shape
+    codes = torch.stack([nibbles & 15, nibbles >> 4], -1)                        # [N/16, K/2, 16, 2]
+    codes = codes.permute(0, 2, 1, 3).reshape(B * 16, P * 2).float() + 128.0      # [N, K]
+    s = sm[:, :, 0, :].transpose(1, 2).reshape(B * 16, -1, 1)                    # [N, K/32, 1]
+    m = sm[:, :, 1, :].transpose(1, 2).reshape(B * 16, -1, 1)
+    return (codes.reshape(B * 16, -1, 32) * s + m).reshape(B * 16, P * 2)
+
+
+@torch.library.custom_op("draftwise::int4_linear", mutates_args=())
+def int4_linear_op(x: torch.Tensor, nibbles: torch.Tensor, sm: torch.Tensor, use_amx: bool) -> torch.Tensor:
+    """y [M, N] fp32 = x [M, K] (bf16) . W^T for a packed int4 weight (an opaque op to compiled graphs)."""
+    return load().int4_linear(x.contiguous(), nibbles, sm, use_amx)
+
+
+@int4_linear_op.register_fake
+def _(x, nibbles, sm, use_amx):
+    return x.new_empty((x.shape[0], nibbles.shape[0] * 16), dtype=torch.float32)
+
+
+def int4_linear(x_bf16: torch.Tensor, nibbles: torch.Tensor, sm: torch.Tensor, use_amx: bool | None = None):
+    use_amx = amx() if use_amx is None else bool(use_amx)
+    if torch.compiler.is_compiling():         # an opaque op inside compiled graphs
+        return int4_linear_op(x_bf16, nibbles, sm, use_amx)
+    mod = _state.get("mod") or load()
+    if torch.autograd.profiler._is_profiler_enabled:          # named in profiles (draftwise bench step-cost)
+        with torch.profiler.record_function("draftwise::int4_linear"):
+            return mod.int4_linear(x_bf16.contiguous(), nibbles, sm, use_amx)
+    return mod.int4_linear(x_bf16.contiguous(), nibbles, sm, use_amx)   # eager: no dispatcher hop
+
+
+def pack_int8(q: torch.Tensor) -> torch.Tensor:
+    """int8 [N, K] (per-channel codes) -> the int8 kernel's pair layout [N/16, K/2, 16, 2]."""
+    N, K = q.shape
+    return q.reshape(N // 16, 16, K // 2, 2).transpose(1, 2).contiguous()
+
+
+def unpack_int8(q8: torch.Tensor) -> torch.Tensor:
+    B, P = q8.shape[:2]
+    return q8.transpose(1, 2).reshape(B * 16, P * 2)
+
+
+def int8_linear(x_bf16: torch.Tensor, q8: torch.Tensor, scale: torch.Tensor, use_amx: bool | None = None):
+    use_amx = amx() if use_amx is None else bool(use_amx)
+    if torch.compiler.is_compiling():
+        return int8_linear_op(x_bf16, q8, scale, use_amx)
+    mod = _state.get("mod") or load()
+    if torch.autograd.profiler._is_profiler_enabled:
+        with torch.profiler.record_function("draftwise::int8_linear"):
+            return mod.int8_linear(x_bf16.contiguous(), q8, scale, use_amx)
+    return mod.int8_linear(x_bf16.contiguous(), q8, scale, use_amx)
+
+
+@torch.library.custom_op("draftwise::int8_linear", mutates_args=())
+def int8_linear_op(x: torch.Tensor, q8: torch.Tensor, scale: torch.Tensor, use_amx: bool) -> torch.Tensor:
+    return load().int8_linear(x.contiguous(), q8, scale, use_amx)
+
+
+@int8_linear_op.register_fake
+def _(x, q8, scale, use_amx):
+    return x.new_empty((x.shape[0], q8.shape[0] * 16), dtype=torch.float32)
+
+
+def int4_kernel_choice() -> dict:
+    """Which int4 kernel serves the engine's linears - "draftwise" (this package's) or "aten"
+    (PyTorch's) - for small row counts, and whether draftwise's also serves large ones (prefill)
+    instead of a dense GEMM over dequantized weights. Measured once per machine, torch build, thread
+    count and kernel source on SmolLM2's layer shapes and cached on disk (every run on the machine
+    then computes the same numbers). The cost weighed is decoding plus verifying (1, 8 and 16 rows);
+    it does not depend on whether this engine speculates, because plain decoding and speculation must
+    compute the same numbers. One kernel serves every row count up to the limit, so a row's numbers
+    never depend on how many rows shared its step."""
+    import hashlib
+    import json
+    from draftwise.config import cache_dir
+    forced = os.environ.get("DRAFTWISE_INT4_KERNEL")          # "draftwise" | "aten": skip the measurement
+    if forced in ("draftwise", "aten"):
+        if forced == "draftwise" and load() is None:
+            raise RuntimeError("DRAFTWISE_INT4_KERNEL=draftwise, but the kernel cannot run here (see the log)")
+        return {"small": forced, "large": "draftwise" if forced == "draftwise" else "dense", "int8": forced}
+    if "choice" in _state:
+        return _state["choice"]
+    src = os.path.join(os.path.dirname(__file__), "int4_cpu.cpp")
+    with open(src, "rb") as f:
+        digest = hashlib.sha1(f.read()).hexdigest()[:12]
+    flags = ",".join(sorted(f for f in cpu_flags() if f.startswith(("avx512", "amx", "avx2"))))
+    key = f"{torch.__version__}-{torch.backends.cpu.get_cpu_capability()}-{flags}-{digest}-{torch.get_num_threads()}"
+    path = os.path.join(cache_dir(), "int4_kernel_choice.json")
+    try:
+        with open(path) as f:
+            known = json.load(f)
+    except (OSError, ValueError):
+        known = {}
+    if key not in known:
+        known[key] = _measure_int4_costs()
+        try:
+            with open(path + ".tmp", "w") as f:
+                json.dump(known, f)
+            os.replace(path + ".tmp", path)
+        except OSError:
+            pass
+    costs = known[key]
+    rows = (1, 8, 16)
+
+    def cheaper(ours: str, theirs: str) -> bool:
+        return ours in costs and sum(costs[ours][str(m)] for m in rows) < sum(costs[theirs][str(m)] for m in rows)
+    small = "draftwise" if cheaper("draftwise", "aten") else "aten"
+    large = "draftwise" if "draftwise" in costs and costs["draftwise"]["256"] < costs["dense"]["256"] else "dense"
+    int8 = "draftwise" if cheaper("int8_draftwise", "int8_aten") else "aten"
+    choice = {"small": small, "large": large, "int8": int8}
+    _state["choice"] = choice
+    logger.info("int4 kernel: %s for decode/verification, %s for prefill; int8: %s", 
+                f"draftwise's ({'AMX' if amx() else 'AVX512-BF16'})" if small == "draftwise" else "PyTorch's",
+                "draftwise's" if large == "draftwise" else "a dense GEMM",
+                "draftwise's" if int8 == "draftwise" else "PyTorch's")
+    return choice
+
+
+SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]     # SmolLM2's layer linears (N, K)
+
+
+def _measure_int4_costs() -> dict:
+    """Seconds per SmolLM2 layer's four linears, by kernel and row count (p10 of repeated calls)."""
+    import time
+    from draftwise.layers.quant import quantize_int4_groupwise
+    g = torch.Generator().manual_seed(0)
+
+    def p10(fn, x, reps=40):
+        fn(x)
+        ts = []
+        for _ in range(reps):
+            t = time.perf_counter()
+            fn(x)
+            ts.append(time.perf_counter() - t)
+        return sorted(ts)[reps // 10]
+    out: dict = {"aten": {}, "dense": {}}
+    have = load() is not None
+    if have:
+        out["draftwise"] = {}
+    for N, K in SHAPES:
+        w = torch.randn(N, K, generator=g) * 0.05
+        codes, scale, mn = quantize_int4_groupwise(w)
+        sz = torch.stack([scale.to(torch.bfloat16), (mn + 8.0 * scale).to(torch.bfloat16)], -1).transpose(0, 1).contiguous()
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 1)
+        nib, sm = pack_int4(codes, scale, mn)
+        fns = {"aten": lambda x: torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, 32, sz),
+               # what Int4Linear's large-row path does: dequantize for the call, then a dense GEMM
+               "dense": lambda x: x @ unpack_int4(nib, sm).to(x.dtype).t()}
+        if have:
+            fns["draftwise"] = lambda x: int4_linear(x, nib, sm)
+        for m in (1, 8, 16, 256):
+            x = torch.randn(m, K, generator=g).to(torch.bfloat16)
+            for name, fn in fns.items():
+                if name == "aten" and m == 256:
+                    continue
+                out[name][str(m)] = out[name].get(str(m), 0.0) + p10(fn, x, 40 if m < 256 else 8)
+    # int8 per channel (the LM head and drafter linears), on a slice of an LM head
+    from draftwise.layers.quant import quantize_int8_per_channel
+    q, scale = quantize_int8_per_channel(torch.randn(4096, 576, generator=g) * 0.05)
+    sb = scale.to(torch.bfloat16)
+    fns = {"int8_aten": lambda x: torch.ops.aten._weight_int8pack_mm(x, q, sb)}
+    if have:
+        q8, sf = pack_int8(q), scale.float().contiguous()
+        fns["int8_draftwise"] = lambda x: int8_linear(x, q8, sf)
+    for name, fn in fns.items():
+        out[name] = {str(m): p10(fn, torch.randn(m, 576, generator=g).to(torch.bfloat16)) for m in (1, 8, 16)}
+    return out

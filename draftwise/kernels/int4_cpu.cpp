@@ -1,0 +1,356 @@
+// Weight-stationary int4 (group 32, Q4_1: w = q * scale + minimum) linear for small row counts on
+// x86 CPUs with bf16 dot products: y[M, N] = x[M, K] (bf16) . W[N, K]^T, fp32 out.
+//
+// ATen's int4 kernel streams the packed weight once per 4 rows, dequantizing it again each time, so
+// verifying 16 drafts costs ~5x decoding one token. Here every block of 16 output columns is
+// dequantized once per call into a bf16 tile in the "pair" layout the dot-product instructions read
+// (for k-pair p: 16 columns x (w[., 2p], w[., 2p+1])), and that tile then serves every row:
+//   - AVX512-BF16: _mm512_dpbf16_ps, one broadcast x pair per row and k-pair;
+//   - AMX-BF16 (where the OS grants the tile state): one 16x32 . 32x16 tile product per row tile
+//     and group of 32 inputs.
+// Each output row's arithmetic is the same whatever the number of rows in the call (rows are tiled
+// independently and accumulate in the same order), so a token's logits do not depend on how many
+// drafts were verified beside it: speculation stays bit-exact with plain decoding.
+//
+// Packed layout (made by draftwise/kernels/__init__.py from codes [N, K], scale and minimum):
+//   nibbles: uint8 [N/16, K/2, 16], byte j of pair p = code[n0+j][2p] | code[n0+j][2p+1] << 4
+//   sm:      float [N/16, K/32, 2, 16]: the group's 16 scales, then its 16 (minimum - 128 * scale)
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#include <algorithm>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <vector>
+
+namespace {
+
+constexpr int NB = 16;   // output columns per block
+constexpr int GROUP = 32;
+constexpr int PAIRS = GROUP / 2;
+
+#define AVX512BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
+#define AMXBF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,amx-tile,amx-bf16")))
+
+// nibbles of one column block -> bf16 of (128 + code), K/2 pairs x 16 columns x 2 (64-byte rows).
+// 0x4300 | q is the bf16 bit pattern of 128 + q (exponent 7, unit steps), so unpacking is two bitwise
+// ops per word; the 128 * sum(x) this adds is taken back through the stored minimum (packing stores
+// minimum - 128 * scale).
+AVX512BF16 inline void unpack_pairs(const uint8_t* pk, int p_begin, int p_end, uint16_t* out) {
+  const __m512i lo_mask = _mm512_set1_epi32(0x0000000F), hi_mask = _mm512_set1_epi32(0x000F0000);
+  const __m512i bias = _mm512_set1_epi32(0x43004300);
+  for (int p = p_begin; p < p_end; ++p) {
+    // dword j = byte j = q[j][2p] | q[j][2p+1] << 4  ->  words (0x4300 | q[j][2p], 0x4300 | q[j][2p+1])
+    const __m512i d = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(pk + p * NB)));
+    const __m512i lo = _mm512_ternarylogic_epi32(d, lo_mask, bias, 0xEA);                  // (d & m) | bias
+    const __m512i w = _mm512_ternarylogic_epi32(_mm512_slli_epi32(d, 12), hi_mask, lo, 0xEA);
+    _mm512_store_si512(out + p * 32, w);
+  }
+}
+
+AVX512BF16 void unpack_codes(const uint8_t* pk, int K, uint16_t* out) { unpack_pairs(pk, 0, K / 2, out); }
+
+// y rows += per group: scale * (x . q) + minimum * sum(x)   (MT rows, dot products on AVX512-BF16)
+template <int MT>
+AVX512BF16 void rows_dot(const uint16_t* x, const float* xs, int K, const uint16_t* Q, const float* sm,
+                         float* y, int N) {
+  // per row and group: two partial dot products (even and odd pairs), summed in a fixed order
+  __m512 acc[MT];
+#pragma GCC unroll 16
+  for (int r = 0; r < MT; ++r) acc[r] = _mm512_setzero_ps();
+  const int G = K / GROUP;
+  for (int g = 0; g < G; ++g) {
+    __m512 d0[MT], d1[MT];
+#pragma GCC unroll 16
+    for (int r = 0; r < MT; ++r) { d0[r] = _mm512_setzero_ps(); d1[r] = _mm512_setzero_ps(); }
+    for (int q = 0; q < PAIRS; q += 2) {
+      const int p = g * PAIRS + q;
+      const __m512bh b0 = (__m512bh)_mm512_load_si512(Q + p * 32);
+      const __m512bh b1 = (__m512bh)_mm512_load_si512(Q + (p + 1) * 32);
+#pragma GCC unroll 16
+      for (int r = 0; r < MT; ++r) {
+        const int32_t* xr = reinterpret_cast<const int32_t*>(x + static_cast<int64_t>(r) * K);
+        d0[r] = _mm512_dpbf16_ps(d0[r], (__m512bh)_mm512_set1_epi32(xr[p]), b0);
+        d1[r] = _mm512_dpbf16_ps(d1[r], (__m512bh)_mm512_set1_epi32(xr[p + 1]), b1);
+      }
+    }
+    const __m512 s = _mm512_loadu_ps(sm + (g * 2) * NB), m = _mm512_loadu_ps(sm + (g * 2 + 1) * NB);
+#pragma GCC unroll 16
+    for (int r = 0; r < MT; ++r)
+      acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xs[r * G + g]),
+                               _mm512_fmadd_ps(_mm512_add_ps(d0[r], d1[r]), s, acc[r]));
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < MT; ++r) _mm512_storeu_ps(y + static_cast<int64_t>(r) * N, acc[r]);
+}
+
+AVX512BF16 void rows_dot_any(const uint16_t* x, const float* xs, int mt, int K, const uint16_t* Q, const float* sm,
+                             float* y, int N) {
+  switch (mt) {
+#define CASE(n) case n: rows_dot<n>(x, xs, K, Q, sm, y, N); break;
+    CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8)
+    CASE(9) CASE(10) CASE(11) CASE(12) CASE(13) CASE(14) CASE(15) CASE(16)
+#undef CASE
+    default: break;
+  }
+}
+
+struct alignas(64) TileConfig {   // the LDTILECFG memory operand (palette 1)
+  uint8_t palette_id;
+  uint8_t start_row;
+  uint8_t reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+bool amx_permitted() {
+  // Linux hands out the AMX tile state only on request (ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)
+  static const bool ok = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  return ok;
+}
+
+AMXBF16 void amx_config(int mt) {
+  // two sets of tiles, used for even and odd groups so one group's products overlap the previous
+  // group's scaling: C (mt x 16 fp32), A (mt x 32 bf16), B (16 pairs x 16 columns x 2 bf16)
+  static thread_local TileConfig cfg;
+  std::memset(&cfg, 0, sizeof(cfg));
+  cfg.palette_id = 1;
+  for (int set = 0; set < 2; ++set) {
+    cfg.rows[3 * set + 0] = mt; cfg.colsb[3 * set + 0] = NB * 4;
+    cfg.rows[3 * set + 1] = mt; cfg.colsb[3 * set + 1] = GROUP * 2;
+    cfg.rows[3 * set + 2] = PAIRS; cfg.colsb[3 * set + 2] = 64;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+AVX512BF16 inline void scale_rows(const float* dot, const float* xs, int G, int g, int mt, const float* sm,
+                                  __m512* acc) {
+  const __m512 s = _mm512_loadu_ps(sm + (g * 2) * NB), m = _mm512_loadu_ps(sm + (g * 2 + 1) * NB);
+  for (int r = 0; r < mt; ++r)
+    acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xs[r * G + g]), _mm512_fmadd_ps(_mm512_load_ps(dot + r * NB), s, acc[r]));
+}
+
+// `pk` non-null: unpack each group's codes into Q right before its tile product (one row tile only:
+// the memory stream of the next group overlaps this group's products); the arithmetic per row is the
+// same either way
+AMXBF16 void rows_amx(const uint16_t* x, const float* xs, int mt, int K, uint16_t* Q, const float* sm,
+                      float* y, int N, const uint8_t* pk = nullptr) {
+  alignas(64) float dot0[16 * NB], dot1[16 * NB];
+  const int G = K / GROUP;
+  __m512 acc[16];
+  for (int r = 0; r < mt; ++r) acc[r] = _mm512_setzero_ps();
+  // groups in pairs: the products of group g+1 run while group g's are scaled
+  int g = 0;
+  for (; g + 1 < G; g += 2) {
+    if (pk) unpack_pairs(pk, g * PAIRS, (g + 2) * PAIRS, Q);
+    _tile_zero(0);
+    _tile_loadd(1, x + g * GROUP, K * 2);
+    _tile_loadd(2, Q + g * PAIRS * 32, 64);
+    _tile_dpbf16ps(0, 1, 2);
+    _tile_zero(3);
+    _tile_loadd(4, x + (g + 1) * GROUP, K * 2);
+    _tile_loadd(5, Q + (g + 1) * PAIRS * 32, 64);
+    _tile_dpbf16ps(3, 4, 5);
+    _tile_stored(0, dot0, NB * 4);
+    scale_rows(dot0, xs, G, g, mt, sm, acc);
+    _tile_stored(3, dot1, NB * 4);
+    scale_rows(dot1, xs, G, g + 1, mt, sm, acc);
+  }
+  if (g < G) {
+    if (pk) unpack_pairs(pk, g * PAIRS, (g + 1) * PAIRS, Q);
+    _tile_zero(0);
+    _tile_loadd(1, x + g * GROUP, K * 2);
+    _tile_loadd(2, Q + g * PAIRS * 32, 64);
+    _tile_dpbf16ps(0, 1, 2);
+    _tile_stored(0, dot0, NB * 4);
+    scale_rows(dot0, xs, G, g, mt, sm, acc);
+  }
+  for (int r = 0; r < mt; ++r) _mm512_storeu_ps(y + static_cast<int64_t>(r) * N, acc[r]);
+}
+
+AMXBF16 void amx_release() { _tile_release(); }
+
+// --- int8, one scale per output channel (the LM head) ---------------------------------------------
+// q8: int8 [N/16, K/2, 16, 2] (pair layout), scale: float [N]. y = scale[n] * (x . q[n]): the codes
+// are exact in bf16, the dot products accumulate in fp32 over all of K, one multiply at the end.
+AVX512BF16 void unpack_int8(const int8_t* q8, int K, uint16_t* out) {
+  const int P = K / 2;
+  for (int p = 0; p < P; ++p) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q8 + p * 32));
+    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(v)));
+    const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(v, 1)));
+    _mm512_store_si512(out + p * 32, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+  }
+}
+
+template <int MT>
+AVX512BF16 void rows_dot8(const uint16_t* x, int K, const uint16_t* Q, __m512 s, float* y, int N) {
+  __m512 d0[MT], d1[MT];
+#pragma GCC unroll 16
+  for (int r = 0; r < MT; ++r) { d0[r] = _mm512_setzero_ps(); d1[r] = _mm512_setzero_ps(); }
+  const int P = K / 2;
+  for (int p = 0; p < P; p += 2) {
+    const __m512bh b0 = (__m512bh)_mm512_load_si512(Q + p * 32);
+    const __m512bh b1 = (__m512bh)_mm512_load_si512(Q + (p + 1) * 32);
+#pragma GCC unroll 16
+    for (int r = 0; r < MT; ++r) {
+      const int32_t* xr = reinterpret_cast<const int32_t*>(x + static_cast<int64_t>(r) * K);
+      d0[r] = _mm512_dpbf16_ps(d0[r], (__m512bh)_mm512_set1_epi32(xr[p]), b0);
+      d1[r] = _mm512_dpbf16_ps(d1[r], (__m512bh)_mm512_set1_epi32(xr[p + 1]), b1);
+    }
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < MT; ++r)
+    _mm512_storeu_ps(y + static_cast<int64_t>(r) * N, _mm512_mul_ps(_mm512_add_ps(d0[r], d1[r]), s));
+}
+
+AVX512BF16 void rows_dot8_any(const uint16_t* x, int mt, int K, const uint16_t* Q, const float* scale, float* y, int N) {
+  const __m512 s = _mm512_loadu_ps(scale);
+  switch (mt) {
+#define CASE(n) case n: rows_dot8<n>(x, K, Q, s, y, N); break;
+    CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8)
+    CASE(9) CASE(10) CASE(11) CASE(12) CASE(13) CASE(14) CASE(15) CASE(16)
+#undef CASE
+    default: break;
+  }
+}
+
+AMXBF16 void amx_config8(int mt) {
+  static thread_local TileConfig cfg;
+  std::memset(&cfg, 0, sizeof(cfg));
+  cfg.palette_id = 1;
+  cfg.rows[0] = mt; cfg.colsb[0] = NB * 4;        // C: mt x 16 fp32, accumulated over all of K
+  cfg.rows[1] = mt; cfg.colsb[1] = GROUP * 2;     // A: mt x 32 bf16
+  cfg.rows[2] = PAIRS; cfg.colsb[2] = 64;         // B: 16 pairs x 16 columns x 2
+  _tile_loadconfig(&cfg);
+}
+
+AMXBF16 void rows_amx8(const uint16_t* x, int mt, int K, const uint16_t* Q, const float* scale, float* y, int N) {
+  alignas(64) float dot[16 * NB];
+  _tile_zero(0);
+  for (int g = 0; g < K / GROUP; ++g) {
+    _tile_loadd(1, x + g * GROUP, K * 2);
+    _tile_loadd(2, Q + g * PAIRS * 32, 64);
+    _tile_dpbf16ps(0, 1, 2);
+  }
+  _tile_stored(0, dot, NB * 4);
+  const __m512 s = _mm512_loadu_ps(scale);
+  for (int r = 0; r < mt; ++r) _mm512_storeu_ps(y + static_cast<int64_t>(r) * N, _mm512_mul_ps(_mm512_load_ps(dot + r * NB), s));
+}
+
+}  // namespace
+
+torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& q8, const torch::Tensor& scale, bool use_amx) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16 && x.is_contiguous(), "x: contiguous bf16 [M, K]");
+  TORCH_CHECK(q8.dim() == 4 && q8.size(2) == NB && q8.size(3) == 2 && q8.scalar_type() == torch::kChar, "q8 layout");
+  const int M = x.size(0), K = x.size(1);
+  const int blocks = q8.size(0), N = blocks * NB;
+  TORCH_CHECK(q8.size(1) * 2 == K && K % GROUP == 0, "K mismatch");
+  TORCH_CHECK(scale.scalar_type() == torch::kFloat && scale.numel() == N, "scale: float [N]");
+  auto y = torch::empty({M, N}, x.options().dtype(torch::kFloat));
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  const int8_t* qp = q8.data_ptr<int8_t>();
+  const float* sp = scale.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const bool amx = use_amx && amx_permitted();
+  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+    std::unique_ptr<uint16_t, decltype(&std::free)> tile_mem(
+        static_cast<uint16_t*>(std::aligned_alloc(64, static_cast<size_t>(K) * NB * 2)), &std::free);
+    uint16_t* tile = tile_mem.get();
+    int configured = 0;
+    for (int64_t b = b0; b < b1; ++b) {
+      unpack_int8(qp + b * static_cast<int64_t>(K) * NB, K, tile);
+      for (int m0 = 0; m0 < M; m0 += 16) {
+        const int mt = std::min(16, M - m0);
+        float* yb = yp + static_cast<int64_t>(m0) * N + b * NB;
+        const uint16_t* xb = xp + static_cast<int64_t>(m0) * K;
+        if (amx) {
+          if (configured != mt) { amx_config8(mt); configured = mt; }
+          rows_amx8(xb, mt, K, tile, sp + b * NB, yb, N);
+        } else {
+          rows_dot8_any(xb, mt, K, tile, sp + b * NB, yb, N);
+        }
+      }
+    }
+    if (configured) amx_release();
+  });
+  return y;
+}
+
+torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& nibbles, const torch::Tensor& sm,
+                          bool use_amx) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16 && x.is_contiguous(), "x: contiguous bf16 [M, K]");
+  TORCH_CHECK(nibbles.dim() == 3 && nibbles.size(2) == NB && nibbles.scalar_type() == torch::kUInt8, "nibbles layout");
+  const int M = x.size(0), K = x.size(1);
+  const int blocks = nibbles.size(0), N = blocks * NB;
+  TORCH_CHECK(nibbles.size(1) * 2 == K && K % GROUP == 0, "K mismatch");
+  TORCH_CHECK(sm.scalar_type() == torch::kFloat && sm.is_contiguous(), "sm: contiguous float");
+  const int G = K / GROUP;
+  auto y = torch::empty({M, N}, x.options().dtype(torch::kFloat));
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  // per row and group: the sum of the inputs (the minimums' share), from the same bf16 values, in a
+  // fixed order (a row's sums do not depend on the other rows)
+  std::vector<float> xs_mem(static_cast<size_t>(M) * G);
+  for (int r = 0; r < M; ++r)
+    for (int g = 0; g < G; ++g) {
+      float acc = 0.f;
+      for (int k = 0; k < GROUP; ++k) {
+        const uint32_t bits = static_cast<uint32_t>(xp[static_cast<int64_t>(r) * K + g * GROUP + k]) << 16;
+        float v;
+        std::memcpy(&v, &bits, 4);
+        acc += v;
+      }
+      xs_mem[static_cast<size_t>(r) * G + g] = acc;
+    }
+  const float* xsp = xs_mem.data();
+  const uint8_t* pk = nibbles.data_ptr<uint8_t>();
+  const float* smp = sm.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const bool amx = use_amx && amx_permitted();
+  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+    // the block's codes: K/2 pairs x 16 columns x 2 bf16, 64-byte aligned
+    std::unique_ptr<uint16_t, decltype(&std::free)> tile_mem(
+        static_cast<uint16_t*>(std::aligned_alloc(64, static_cast<size_t>(K) * NB * 2)), &std::free);
+    uint16_t* tile = tile_mem.get();
+    int configured = 0;
+    for (int64_t b = b0; b < b1; ++b) {
+      const uint8_t* pkb = pk + b * (K / 2) * NB;
+      const float* smb = smp + b * G * 2 * NB;
+      if (amx && M <= 16) {                          // one row tile: unpack group by group
+        if (M == 0) continue;
+        if (configured != M) { amx_config(M); configured = M; }
+        rows_amx(xp, xsp, M, K, tile, smb, yp + b * NB, N, pkb);
+        continue;
+      }
+      unpack_codes(pkb, K, tile);
+      for (int m0 = 0; m0 < M; m0 += 16) {
+        const int mt = std::min(16, M - m0);
+        float* yb = yp + static_cast<int64_t>(m0) * N + b * NB;
+        const uint16_t* xb = xp + static_cast<int64_t>(m0) * K;
+        if (amx) {
+          if (configured != mt) { amx_config(mt); configured = mt; }
+          rows_amx(xb, xsp + m0 * G, mt, K, tile, smb, yb, N);
+        } else {
+          rows_dot_any(xb, xsp + m0 * G, mt, K, tile, smb, yb, N);
+        }
+      }
+    }
+    if (configured) amx_release();
+  });
+  return y;
+}
+
+bool cpu_supports_avx512_bf16() { return __builtin_cpu_supports("avx512bf16"); }
+bool amx_available() { return amx_permitted(); }
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("int4_linear", &int4_linear, "weight-stationary int4 (group 32) linear, bf16 x, fp32 out");
+  m.def("int8_linear", &int8_linear, "weight-stationary int8 (per output channel) linear, bf16 x, fp32 out");
+  m.def("cpu_supports_avx512_bf16", &cpu_supports_avx512_bf16);
+  m.def("amx_available", &amx_available);
+}
+// build: -O3 -fopenmp (at::parallel_for runs on OpenMP)

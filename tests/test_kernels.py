@@ -1,0 +1,75 @@
+"""draftwise's int4 CPU kernel (AVX512-BF16 dot products / AMX tiles): equal to its fp32 reference,
+every row's numbers independent of how many rows share the call (so speculation stays bit-exact),
+packing round-trips, the measured choice is well-formed, and speculation on an int4 target that runs
+on it is greedy-identical to plain decoding. Skipped where the CPU has no AVX512-BF16 (PyTorch's
+kernel then serves int4, covered by test_quant.py)."""
+import pytest
+import torch
+
+from draftwise import LLM, SamplingParams, kernels
+from draftwise.layers.quant import quantize_int4_groupwise
+
+needs_kernel = pytest.mark.skipif(kernels.load() is None, reason="no AVX512-BF16 CPU or no compiler: "
+                                  "PyTorch's int4 kernel is used instead")
+PATHS = [False] + ([True] if kernels.load() is not None and kernels.amx() else [])
+
+
+def _weights(N=96, K=128, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return quantize_int4_groupwise(torch.randn(N, K, generator=g) * 0.05)
+
+
+def test_pack_unpack_round_trip():
+    codes, scale, mn = _weights()
+    nib, sm = kernels.pack_int4(codes, scale, mn)
+    assert nib.shape == (6, 64, 16) and sm.shape == (6, 4, 2, 16)
+    ref = (codes.float().reshape(96, 4, 32) * scale[..., None] + mn[..., None]).reshape(96, 128)
+    torch.testing.assert_close(kernels.unpack_int4(nib, sm), ref, atol=1e-6, rtol=1e-6)
+
+
+@needs_kernel
+@pytest.mark.parametrize("use_amx", PATHS)
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 40, 300])
+def test_kernel_equals_reference_and_rows_are_independent(use_amx, rows):
+    codes, scale, mn = _weights()
+    nib, sm = kernels.pack_int4(codes, scale, mn)
+    x = torch.randn(rows, 128).to(torch.bfloat16)
+    y = kernels.int4_linear(x, nib, sm, use_amx)
+    ref = x.double() @ kernels.unpack_int4(nib, sm).double().t()
+    torch.testing.assert_close(y.double(), ref, atol=2e-4, rtol=1e-4)
+    for r in {0, rows // 2, rows - 1}:                     # bit for bit, alone or in company
+        assert torch.equal(kernels.int4_linear(x[r:r + 1], nib, sm, use_amx)[0], y[r])
+
+
+@needs_kernel
+def test_amx_and_avx512_paths_agree():
+    if len(PATHS) < 2:
+        pytest.skip("no AMX here")
+    codes, scale, mn = _weights(N=160, K=256, seed=3)
+    nib, sm = kernels.pack_int4(codes, scale, mn)
+    x = torch.randn(9, 256).to(torch.bfloat16)
+    torch.testing.assert_close(kernels.int4_linear(x, nib, sm, True), kernels.int4_linear(x, nib, sm, False),
+                               atol=1e-4, rtol=1e-4)
+
+
+def test_choice_is_well_formed():
+    c = kernels.int4_kernel_choice()
+    assert c["small"] in ("draftwise", "aten") and c["large"] in ("draftwise", "dense")
+    if kernels.load() is None:
+        assert c == {"small": "aten", "large": "dense"}
+
+
+@needs_kernel
+def test_speculation_on_the_kernel_is_lossless(tiny_llama, monkeypatch):
+    monkeypatch.setenv("DRAFTWISE_INT4_KERNEL", "draftwise")
+    path, _ = tiny_llama
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    prompts = [{"prompt_token_ids": p} for p in ([5, 6, 7, 8, 9, 10, 11], [3] * 20, list(range(30, 70)), [7, 7, 7])]
+    plain = LLM(path, block_size=4, max_model_len=256, quantization="int4", speculative_config=None)
+    lin = plain.engine.model.layers[0].mlp.gate_up_proj
+    assert lin.draftwise_kernel and not hasattr(lin, "packed")       # one copy, the kernel's
+    ref = [o.outputs[0].token_ids for o in plain.generate(prompts, greedy)]
+    for spec in ({"method": "ngram", "num_speculative_tokens": 3}, {"method": "suffix"}):
+        llm = LLM(path, block_size=4, max_model_len=256, quantization="int4", speculative_config=spec)
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)] == ref
+        assert llm.get_metrics()["spec_decode"]["num_drafts"] > 0
