@@ -73,3 +73,27 @@ def test_speculation_on_the_kernel_is_lossless(tiny_llama, monkeypatch):
         llm = LLM(path, block_size=4, max_model_len=256, quantization="int4", speculative_config=spec)
         assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)] == ref
         assert llm.get_metrics()["spec_decode"]["num_drafts"] > 0
+
+
+@needs_kernel
+@pytest.mark.parametrize("ctx,n", [(40, 1), (40, 7), (70, 24)])
+def test_row_invariant_attention_kernel(ctx, n, monkeypatch):
+    """The C++ row-invariant attention equals SDPA row by row (to rounding) and, bit for bit, the
+    same rows decoded one at a time."""
+    import draftwise.layers.attention as A
+    from draftwise.layers.attention import CAUSAL, AttentionMetadata
+    torch.manual_seed(0)
+    bs, Hkv, H, D = 16, 3, 9, 64
+    nb = (ctx + n) // bs + 1
+    bt = torch.randperm(nb * 2)[:nb].view(1, nb)
+    kc, vc = torch.randn(nb * 2 * bs, Hkv, D), torch.randn(nb * 2 * bs, Hkv, D)
+    q, k, v = torch.randn(n, H, D), torch.randn(n, Hkv, D), torch.randn(n, Hkv, D)
+    pos = torch.arange(ctx, ctx + n)
+    slots = A.slots_for_positions(bt, torch.zeros(n, dtype=torch.long), pos, bs)
+    meta = AttentionMetadata(slots, [n], [ctx + n], bt, bs, CAUSAL, row_invariant=True).finalize()
+    out = A.paged_attention(q, k, v, kc, vc, meta, 0.125)
+    alone = torch.cat([A.paged_attention(q[i:i + 1], k[i:i + 1], v[i:i + 1], kc, vc, AttentionMetadata(
+        slots[i:i + 1], [1], [ctx + i + 1], bt, bs, CAUSAL, row_invariant=True).finalize(), 0.125) for i in range(n)])
+    assert torch.equal(out, alone)
+    monkeypatch.setenv("DRAFTWISE_NO_ATTENTION_KERNEL", "1")
+    torch.testing.assert_close(out, A.paged_attention(q, k, v, kc, vc, meta, 0.125), atol=2e-6, rtol=1e-5)

@@ -107,6 +107,29 @@ def int4_linear(x_bf16: torch.Tensor, nibbles: torch.Tensor, sm: torch.Tensor, u
     return mod.int4_linear(x_bf16.contiguous(), nibbles, sm, use_amx)   # eager: no dispatcher hop
 
 
+def attend_rows_kernel(q, k_cache, v_cache, plan, scale: float, out: torch.Tensor) -> bool:
+    """Row-invariant attention for `plan` (AttentionMetadata.row_plan) in one kernel call; False
+    where the kernel does not apply here (then the caller attends row by row with SDPA). Used by
+    every row-invariant step alike, so decode and verification rows compute the same way."""
+    if (q.device.type != "cpu" or q.dtype != torch.float32 or k_cache.dtype != torch.float32
+            or q.shape[-1] % 16 or not q.is_contiguous() or not out.is_contiguous()):
+        return False
+    if os.environ.get("DRAFTWISE_NO_ATTENTION_KERNEL"):
+        return False
+    mod = _state.get("mod") if "mod" in _state else load()
+    if mod is None:
+        return False
+    rows, lens, lists, slots = [], [], [], []
+    for i, (start, seq_lens, s) in enumerate(plan):
+        slots.append(s.contiguous())
+        for j, n in enumerate(seq_lens):
+            rows.append(start + j)
+            lens.append(n)
+            lists.append(i)
+    mod.attend_rows(q, k_cache, v_cache, out, rows, lens, lists, slots, float(scale))
+    return True
+
+
 def pack_int8(q: torch.Tensor) -> torch.Tensor:
     """int8 [N, K] (per-channel codes) -> the int8 kernel's pair layout [N/16, K/2, 16, 2]."""
     N, K = q.shape

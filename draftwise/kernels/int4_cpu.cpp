@@ -21,6 +21,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -344,12 +345,115 @@ torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& nibbles, 
   return y;
 }
 
+// --- row-invariant attention ------------------------------------------------------------------------
+// Every query row attends alone over exactly its own keys (no padding, no mask), with a fixed order
+// of operations, so a verified token's attention output is bit for bit what decoding it alone gives
+// (the row-invariance speculation on bf16-activation targets needs). One call covers every row of
+// the step (instead of one SDPA call per row and layer). fp32 K/V cache, head_dim a multiple of 16.
+namespace {
+
+#define AVX512F __attribute__((target("avx512f,avx512dq")))
+
+AVX512F inline __m512 exp512(__m512 x) {
+  // e^x = 2^n e^r, n = round(x log2 e), |r| <= ln2 / 2, Cephes' degree-6 polynomial for e^r
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+// one query row, one KV head, its G query heads: out[g] = softmax(scale q_g . K^T) V over `len` keys
+AVX512F void attend_one(const float* q, const float* kc, const float* vc, const int64_t* slots, int64_t len,
+                        int G, int D, int64_t slot_stride, float scale, float* out, float* scores) {
+  const int DV = D / 16;
+  for (int g = 0; g < G; ++g) {
+    const float* qg = q + g * D;
+    float* sg = scores + g * len;
+    __m512 qv[16];
+    for (int c = 0; c < DV; ++c) qv[c] = _mm512_loadu_ps(qg + c * 16);
+    float mx = -INFINITY;
+    for (int64_t j = 0; j < len; ++j) {
+      const float* kj = kc + slots[j] * slot_stride;
+      __m512 acc = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kj));
+      for (int c = 1; c < DV; ++c) acc = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(kj + c * 16), acc);
+      const float sc = _mm512_reduce_add_ps(acc) * scale;
+      sg[j] = sc;
+      mx = sc > mx ? sc : mx;
+    }
+    const __m512 mxv = _mm512_set1_ps(mx);
+    __m512 sumv = _mm512_setzero_ps();
+    int64_t j = 0;
+    for (; j + 16 <= len; j += 16) {
+      const __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(sg + j), mxv));
+      _mm512_storeu_ps(sg + j, e);
+      sumv = _mm512_add_ps(sumv, e);
+    }
+    if (j < len) {
+      const __mmask16 m = static_cast<__mmask16>((1u << (len - j)) - 1);
+      const __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, sg + j), mxv));
+      _mm512_mask_storeu_ps(sg + j, m, e);
+      sumv = _mm512_add_ps(sumv, _mm512_maskz_mov_ps(m, e));
+    }
+    const float inv = 1.0f / _mm512_reduce_add_ps(sumv);
+    __m512 o[16];
+    for (int c = 0; c < DV; ++c) o[c] = _mm512_setzero_ps();
+    for (int64_t jj = 0; jj < len; ++jj) {
+      const float* vj = vc + slots[jj] * slot_stride;
+      const __m512 pj = _mm512_set1_ps(sg[jj]);
+      for (int c = 0; c < DV; ++c) o[c] = _mm512_fmadd_ps(pj, _mm512_loadu_ps(vj + c * 16), o[c]);
+    }
+    const __m512 invv = _mm512_set1_ps(inv);
+    for (int c = 0; c < DV; ++c) _mm512_storeu_ps(out + g * D + c * 16, _mm512_mul_ps(o[c], invv));
+  }
+}
+
+}  // namespace
+
+// q [T, H, D] fp32; caches [S, Hkv, D] fp32; out [T, H, D] written for the listed rows.
+// rows[i]: the row; lens[i]: its number of keys; slot_lists[i]: index into `slots` of its request's key
+// slots (the first lens[i] of them are its keys).
+void attend_rows(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                 torch::Tensor& out, const std::vector<int64_t>& rows, const std::vector<int64_t>& lens,
+                 const std::vector<int64_t>& slot_lists, const std::vector<torch::Tensor>& slots, double scale) {
+  TORCH_CHECK(q.scalar_type() == torch::kFloat && k_cache.scalar_type() == torch::kFloat &&
+              v_cache.scalar_type() == torch::kFloat && q.is_contiguous() && out.is_contiguous(), "fp32 contiguous");
+  const int H = q.size(1), D = q.size(2), Hkv = k_cache.size(1), G = H / Hkv;
+  TORCH_CHECK(D % 16 == 0 && D <= 256 && k_cache.stride(0) == Hkv * D && v_cache.stride(0) == Hkv * D, "layout");
+  const int64_t n = static_cast<int64_t>(rows.size());
+  const float* qp = q.data_ptr<float>();
+  const float* kp = k_cache.data_ptr<float>();
+  const float* vp = v_cache.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  std::vector<const int64_t*> sp(slots.size());
+  for (size_t i = 0; i < slots.size(); ++i) sp[i] = slots[i].data_ptr<int64_t>();
+  int64_t max_len = 0;
+  for (auto l : lens) max_len = std::max(max_len, l);
+  at::parallel_for(0, n * Hkv, 1, [&](int64_t w0, int64_t w1) {
+    std::vector<float> scores(static_cast<size_t>(G) * max_len);
+    for (int64_t w = w0; w < w1; ++w) {
+      const int64_t i = w / Hkv, h = w % Hkv, t = rows[i];
+      attend_one(qp + (t * H + h * G) * D, kp + h * D, vp + h * D, sp[slot_lists[i]], lens[i], G, D,
+                 static_cast<int64_t>(Hkv) * D, static_cast<float>(scale), op + (t * H + h * G) * D, scores.data());
+    }
+  });
+}
+
 bool cpu_supports_avx512_bf16() { return __builtin_cpu_supports("avx512bf16"); }
 bool amx_available() { return amx_permitted(); }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_linear", &int4_linear, "weight-stationary int4 (group 32) linear, bf16 x, fp32 out");
   m.def("int8_linear", &int8_linear, "weight-stationary int8 (per output channel) linear, bf16 x, fp32 out");
+  m.def("attend_rows", &attend_rows, "row-invariant attention: every row alone over its own keys");
   m.def("cpu_supports_avx512_bf16", &cpu_supports_avx512_bf16);
   m.def("amx_available", &amx_available);
 }

@@ -224,7 +224,12 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 def _attend_rows(q, k_cache, v_cache, plan, scale: float, out: torch.Tensor) -> None:
     """Row-invariant attention: each row alone over exactly its own keys (a prefix of its request's
-    keys, gathered once), the computation plain decoding at batch 1 does for that token."""
+    keys, gathered once), the computation plain decoding at batch 1 does for that token. On CPUs
+    with draftwise's kernels (fp32 caches, head_dim a multiple of 16) one C++ call does every row
+    in a fixed order of operations; otherwise one SDPA call per row."""
+    from draftwise.kernels import attend_rows_kernel
+    if attend_rows_kernel(q, k_cache, v_cache, plan, scale, out):
+        return
     T, H, D = q.shape
     Hkv = k_cache.shape[1]
     G = H // Hkv
