@@ -23,7 +23,9 @@ def test_pack_unpack_round_trip():
     codes, scale, mn = _weights()
     nib, sm = kernels.pack_int4(codes, scale, mn)
     assert nib.shape == (6, 64, 16) and sm.shape == (6, 4, 2, 16)
-    ref = (codes.float().reshape(96, 4, 32) * scale[..., None] + mn[..., None]).reshape(96, 128)
+    # scale and minimum are kept in fp16 (exact for GGUF Q4_1 blocks, which store them so)
+    s16, m16 = scale.half().float(), mn.half().float()
+    ref = (codes.float().reshape(96, 4, 32) * s16[..., None] + m16[..., None]).reshape(96, 128)
     torch.testing.assert_close(kernels.unpack_int4(nib, sm), ref, atol=1e-6, rtol=1e-6)
 
 

@@ -64,14 +64,14 @@ def amx() -> bool:
 
 def pack_int4(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor):
     """codes uint8 [N, K] (0..15), scale / minimum [N, K/32] (w = codes * scale + minimum) -> the
-    kernel's (nibbles uint8 [N/16, K/2, 16], sm float [N/16, K/32, 2, 16]); sm holds the scale and
-    minimum - 128 * scale (the kernel multiplies 128 + code, see int4_cpu.cpp)."""
+    kernel's (nibbles uint8 [N/16, K/2, 16], sm fp16 [N/16, K/32, 2, 16] holding scale and minimum;
+    GGUF Q4_1 stores both in fp16, so its blocks stay exact)."""
     N, K = codes.shape
     c = codes.to(torch.uint8).reshape(N // 16, 16, K // 2, 2)
     nib = (c[..., 0] | (c[..., 1] << 4)).transpose(1, 2).contiguous()          # [N/16, K/2, 16]
     s = scale.float().reshape(N // 16, 16, K // 32).transpose(1, 2)             # [N/16, K/32, 16]
-    m = minimum.float().reshape(N // 16, 16, K // 32).transpose(1, 2) - 128.0 * s
-    return nib, torch.stack([s, m], 2).contiguous()                             # [N/16, K/32, 2, 16]
+    m = minimum.float().reshape(N // 16, 16, K // 32).transpose(1, 2)
+    return nib, torch.stack([s, m], 2).to(torch.float16).contiguous()           # [N/16, K/32, 2, 16]
 
 
 def unpack_int4(nibbles: torch.Tensor, sm: torch.Tensor) -> torch.Tensor:
@@ -80,8 +80,8 @@ def unpack_int4(nibbles: torch.Tensor, sm: torch.Tensor) -> torch.Tensor:
     B, P, _ = nibbles.shape
     codes = torch.stack([nibbles & 15, nibbles >> 4], -1)                        # [N/16, K/2, 16, 2]
     codes = codes.permute(0, 2, 1, 3).reshape(B * 16, P * 2).float() + 128.0      # [N, K]
-    s = sm[:, :, 0, :].transpose(1, 2).reshape(B * 16, -1, 1)                    # [N, K/32, 1]
-    m = sm[:, :, 1, :].transpose(1, 2).reshape(B * 16, -1, 1)
+    s = sm[:, :, 0, :].float().transpose(1, 2).reshape(B * 16, -1, 1)            # [N, K/32, 1]
+    m = sm[:, :, 1, :].float().transpose(1, 2).reshape(B * 16, -1, 1) - 128.0 * s
     return (codes.reshape(B * 16, -1, 32) * s + m).reshape(B * 16, P * 2)
 
 
@@ -119,14 +119,20 @@ def attend_rows_kernel(q, k_cache, v_cache, plan, scale: float, out: torch.Tenso
     mod = _state.get("mod") if "mod" in _state else load()
     if mod is None:
         return False
-    rows, lens, lists, slots = [], [], [], []
-    for i, (start, seq_lens, s) in enumerate(plan):
-        slots.append(s.contiguous())
-        for j, n in enumerate(seq_lens):
-            rows.append(start + j)
-            lens.append(n)
-            lists.append(i)
-    mod.attend_rows(q, k_cache, v_cache, out, rows, lens, lists, slots, float(scale))
+    cached = _state.get("plan")
+    if cached is not None and cached[0] is plan:          # every layer of a step shares one plan
+        args = cached[1]
+    else:
+        rows, lens, lists, slots = [], [], [], []
+        for i, (start, seq_lens, s) in enumerate(plan):
+            slots.append(s.contiguous())
+            for j, n in enumerate(seq_lens):
+                rows.append(start + j)
+                lens.append(n)
+                lists.append(i)
+        args = (rows, lens, lists, slots)
+        _state["plan"] = (plan, args)
+    mod.attend_rows(q, k_cache, v_cache, out, *args, float(scale))
     return True
 
 
@@ -220,41 +226,46 @@ def int4_kernel_choice() -> dict:
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]     # SmolLM2's layer linears (N, K)
 
 
-def _measure_int4_costs() -> dict:
-    """Seconds per SmolLM2 layer's four linears, by kernel and row count (p10 of repeated calls)."""
+def _measure_int4_costs(layers: int = 30) -> dict:
+    """Seconds per pass over `layers` SmolLM2-shaped layers (four linears each, distinct weights:
+    decode streams every weight from memory, so a kernel timed on one hot matrix would look faster
+    than it runs), by kernel and row count, p10 of repeated passes."""
     import time
     from draftwise.layers.quant import quantize_int4_groupwise
     g = torch.Generator().manual_seed(0)
 
-    def p10(fn, x, reps=40):
-        fn(x)
+    def p10(fn, x_by_k, reps):
+        fn(x_by_k)
         ts = []
         for _ in range(reps):
             t = time.perf_counter()
-            fn(x)
+            fn(x_by_k)
             ts.append(time.perf_counter() - t)
         return sorted(ts)[reps // 10]
-    out: dict = {"aten": {}, "dense": {}}
     have = load() is not None
+    mats = []
+    for _ in range(layers):
+        for N, K in SHAPES:
+            codes, scale, mn = quantize_int4_groupwise(torch.randn(N, K, generator=g) * 0.05)
+            sz = torch.stack([scale.to(torch.bfloat16), (mn + 8.0 * scale).to(torch.bfloat16)], -1).transpose(0, 1).contiguous()
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 1)
+            mats.append((K, packed, sz, *pack_int4(codes, scale, mn)))
+    fns = {"aten": lambda xs: [torch.ops.aten._weight_int4pack_mm_for_cpu(xs[K], p, 32, sz) for K, p, sz, _, _ in mats],
+           # what Int4Linear's large-row path does: dequantize for the call, then a dense GEMM
+           "dense": lambda xs: [xs[K] @ unpack_int4(nib, sm).to(xs[K].dtype).t() for K, _, _, nib, sm in mats[:4]]}
     if have:
-        out["draftwise"] = {}
-    for N, K in SHAPES:
-        w = torch.randn(N, K, generator=g) * 0.05
-        codes, scale, mn = quantize_int4_groupwise(w)
-        sz = torch.stack([scale.to(torch.bfloat16), (mn + 8.0 * scale).to(torch.bfloat16)], -1).transpose(0, 1).contiguous()
-        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 1)
-        nib, sm = pack_int4(codes, scale, mn)
-        fns = {"aten": lambda x: torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, 32, sz),
-               # what Int4Linear's large-row path does: dequantize for the call, then a dense GEMM
-               "dense": lambda x: x @ unpack_int4(nib, sm).to(x.dtype).t()}
-        if have:
-            fns["draftwise"] = lambda x: int4_linear(x, nib, sm)
-        for m in (1, 8, 16, 256):
-            x = torch.randn(m, K, generator=g).to(torch.bfloat16)
-            for name, fn in fns.items():
-                if name == "aten" and m == 256:
-                    continue
-                out[name][str(m)] = out[name].get(str(m), 0.0) + p10(fn, x, 40 if m < 256 else 8)
+        fns["draftwise"] = lambda xs: [int4_linear(xs[K], nib, sm) for K, _, _, nib, sm in mats]
+    out: dict = {name: {} for name in fns}
+    for m in (1, 8, 16, 256):
+        xs = {K: torch.randn(m, K, generator=g).to(torch.bfloat16) for K in (576, 1536)}
+        for name, fn in fns.items():
+            if name == "aten" and m == 256:
+                continue
+            t = p10(fn, xs, 10 if m < 256 else 3)
+            if name == "dense" or m == 256:      # one layer's worth where only the large path is compared
+                t = t if name == "dense" else t / layers
+            out[name][str(m)] = t
+    del mats
     # int8 per channel (the LM head and drafter linears), on a slice of an LM head
     from draftwise.layers.quant import quantize_int8_per_channel
     q, scale = quantize_int8_per_channel(torch.randn(4096, 576, generator=g) * 0.05)
@@ -264,5 +275,6 @@ def _measure_int4_costs() -> dict:
         q8, sf = pack_int8(q), scale.float().contiguous()
         fns["int8_draftwise"] = lambda x: int8_linear(x, q8, sf)
     for name, fn in fns.items():
-        out[name] = {str(m): p10(fn, torch.randn(m, 576, generator=g).to(torch.bfloat16)) for m in (1, 8, 16)}
+        out[name] = {str(m): p10(lambda x: fn(x[576]), {576: torch.randn(m, 576, generator=g).to(torch.bfloat16)}, 40)
+                     for m in (1, 8, 16)}
     return out

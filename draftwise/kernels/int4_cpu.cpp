@@ -14,7 +14,8 @@
 //
 // Packed layout (made by draftwise/kernels/__init__.py from codes [N, K], scale and minimum):
 //   nibbles: uint8 [N/16, K/2, 16], byte j of pair p = code[n0+j][2p] | code[n0+j][2p+1] << 4
-//   sm:      float [N/16, K/32, 2, 16]: the group's 16 scales, then its 16 (minimum - 128 * scale)
+//   sm:      fp16 [N/16, K/32, 2, 16]: the group's 16 scales, then its 16 minimums (GGUF Q4_1 stores
+//            both in fp16: exact); the kernel forms minimum - 128 * scale in fp32
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -39,8 +40,7 @@ constexpr int PAIRS = GROUP / 2;
 
 // nibbles of one column block -> bf16 of (128 + code), K/2 pairs x 16 columns x 2 (64-byte rows).
 // 0x4300 | q is the bf16 bit pattern of 128 + q (exponent 7, unit steps), so unpacking is two bitwise
-// ops per word; the 128 * sum(x) this adds is taken back through the stored minimum (packing stores
-// minimum - 128 * scale).
+// ops per word; the 128 * sum(x) this adds is taken back through the minimum (minimum - 128 * scale).
 AVX512BF16 inline void unpack_pairs(const uint8_t* pk, int p_begin, int p_end, uint16_t* out) {
   const __m512i lo_mask = _mm512_set1_epi32(0x0000000F), hi_mask = _mm512_set1_epi32(0x000F0000);
   const __m512i bias = _mm512_set1_epi32(0x43004300);
@@ -55,9 +55,16 @@ AVX512BF16 inline void unpack_pairs(const uint8_t* pk, int p_begin, int p_end, u
 
 AVX512BF16 void unpack_codes(const uint8_t* pk, int K, uint16_t* out) { unpack_pairs(pk, 0, K / 2, out); }
 
+// the group's 16 scales and 16 (minimum - 128 * scale) in fp32, from the stored fp16 scale and minimum
+AVX512BF16 inline void load_sm(const uint16_t* sm, int g, __m512& s, __m512& m) {
+  s = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sm + (g * 2) * NB)));
+  const __m512 mn = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sm + (g * 2 + 1) * NB)));
+  m = _mm512_fnmadd_ps(_mm512_set1_ps(128.0f), s, mn);
+}
+
 // y rows += per group: scale * (x . q) + minimum * sum(x)   (MT rows, dot products on AVX512-BF16)
 template <int MT>
-AVX512BF16 void rows_dot(const uint16_t* x, const float* xs, int K, const uint16_t* Q, const float* sm,
+AVX512BF16 void rows_dot(const uint16_t* x, const float* xs, int K, const uint16_t* Q, const uint16_t* sm,
                          float* y, int N) {
   // per row and group: two partial dot products (even and odd pairs), summed in a fixed order
   __m512 acc[MT];
@@ -79,7 +86,8 @@ AVX512BF16 void rows_dot(const uint16_t* x, const float* xs, int K, const uint16
         d1[r] = _mm512_dpbf16_ps(d1[r], (__m512bh)_mm512_set1_epi32(xr[p + 1]), b1);
       }
     }
-    const __m512 s = _mm512_loadu_ps(sm + (g * 2) * NB), m = _mm512_loadu_ps(sm + (g * 2 + 1) * NB);
+    __m512 s, m;
+    load_sm(sm, g, s, m);
 #pragma GCC unroll 16
     for (int r = 0; r < MT; ++r)
       acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xs[r * G + g]),
@@ -89,7 +97,7 @@ AVX512BF16 void rows_dot(const uint16_t* x, const float* xs, int K, const uint16
   for (int r = 0; r < MT; ++r) _mm512_storeu_ps(y + static_cast<int64_t>(r) * N, acc[r]);
 }
 
-AVX512BF16 void rows_dot_any(const uint16_t* x, const float* xs, int mt, int K, const uint16_t* Q, const float* sm,
+AVX512BF16 void rows_dot_any(const uint16_t* x, const float* xs, int mt, int K, const uint16_t* Q, const uint16_t* sm,
                              float* y, int N) {
   switch (mt) {
 #define CASE(n) case n: rows_dot<n>(x, xs, K, Q, sm, y, N); break;
@@ -128,9 +136,10 @@ AMXBF16 void amx_config(int mt) {
   _tile_loadconfig(&cfg);
 }
 
-AVX512BF16 inline void scale_rows(const float* dot, const float* xs, int G, int g, int mt, const float* sm,
+AVX512BF16 inline void scale_rows(const float* dot, const float* xs, int G, int g, int mt, const uint16_t* sm,
                                   __m512* acc) {
-  const __m512 s = _mm512_loadu_ps(sm + (g * 2) * NB), m = _mm512_loadu_ps(sm + (g * 2 + 1) * NB);
+  __m512 s, m;
+  load_sm(sm, g, s, m);
   for (int r = 0; r < mt; ++r)
     acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xs[r * G + g]), _mm512_fmadd_ps(_mm512_load_ps(dot + r * NB), s, acc[r]));
 }
@@ -138,16 +147,18 @@ AVX512BF16 inline void scale_rows(const float* dot, const float* xs, int G, int 
 // `pk` non-null: unpack each group's codes into Q right before its tile product (one row tile only:
 // the memory stream of the next group overlaps this group's products); the arithmetic per row is the
 // same either way
-AMXBF16 void rows_amx(const uint16_t* x, const float* xs, int mt, int K, uint16_t* Q, const float* sm,
+AMXBF16 void rows_amx(const uint16_t* x, const float* xs, int mt, int K, uint16_t* Q, const uint16_t* sm,
                       float* y, int N, const uint8_t* pk = nullptr) {
   alignas(64) float dot0[16 * NB], dot1[16 * NB];
   const int G = K / GROUP;
   __m512 acc[16];
   for (int r = 0; r < mt; ++r) acc[r] = _mm512_setzero_ps();
-  // groups in pairs: the products of group g+1 run while group g's are scaled
+  // groups in pairs: the products of group g+1 run while group g's are scaled. With `pk`, codes are
+  // unpacked one pair of groups ahead, so the tile loads never wait on stores just issued and the
+  // next groups' memory stream overlaps this pair's products.
+  if (pk) unpack_pairs(pk, 0, std::min(G, 2) * PAIRS, Q);
   int g = 0;
   for (; g + 1 < G; g += 2) {
-    if (pk) unpack_pairs(pk, g * PAIRS, (g + 2) * PAIRS, Q);
     _tile_zero(0);
     _tile_loadd(1, x + g * GROUP, K * 2);
     _tile_loadd(2, Q + g * PAIRS * 32, 64);
@@ -156,13 +167,13 @@ AMXBF16 void rows_amx(const uint16_t* x, const float* xs, int mt, int K, uint16_
     _tile_loadd(4, x + (g + 1) * GROUP, K * 2);
     _tile_loadd(5, Q + (g + 1) * PAIRS * 32, 64);
     _tile_dpbf16ps(3, 4, 5);
+    if (pk && g + 2 < G) unpack_pairs(pk, (g + 2) * PAIRS, std::min(G, g + 4) * PAIRS, Q);
     _tile_stored(0, dot0, NB * 4);
     scale_rows(dot0, xs, G, g, mt, sm, acc);
     _tile_stored(3, dot1, NB * 4);
     scale_rows(dot1, xs, G, g + 1, mt, sm, acc);
   }
   if (g < G) {
-    if (pk) unpack_pairs(pk, g * PAIRS, (g + 1) * PAIRS, Q);
     _tile_zero(0);
     _tile_loadd(1, x + g * GROUP, K * 2);
     _tile_loadd(2, Q + g * PAIRS * 32, 64);
@@ -289,7 +300,7 @@ torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& nibbles, 
   const int M = x.size(0), K = x.size(1);
   const int blocks = nibbles.size(0), N = blocks * NB;
   TORCH_CHECK(nibbles.size(1) * 2 == K && K % GROUP == 0, "K mismatch");
-  TORCH_CHECK(sm.scalar_type() == torch::kFloat && sm.is_contiguous(), "sm: contiguous float");
+  TORCH_CHECK(sm.scalar_type() == torch::kHalf && sm.is_contiguous(), "sm: contiguous fp16");
   const int G = K / GROUP;
   auto y = torch::empty({M, N}, x.options().dtype(torch::kFloat));
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
@@ -309,7 +320,7 @@ torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& nibbles, 
     }
   const float* xsp = xs_mem.data();
   const uint8_t* pk = nibbles.data_ptr<uint8_t>();
-  const float* smp = sm.data_ptr<float>();
+  const uint16_t* smp = reinterpret_cast<const uint16_t*>(sm.data_ptr<at::Half>());
   float* yp = y.data_ptr<float>();
   const bool amx = use_amx && amx_permitted();
   at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
@@ -320,7 +331,7 @@ torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& nibbles, 
     int configured = 0;
     for (int64_t b = b0; b < b1; ++b) {
       const uint8_t* pkb = pk + b * (K / 2) * NB;
-      const float* smb = smp + b * G * 2 * NB;
+      const uint16_t* smb = smp + b * G * 2 * NB;
       if (amx && M <= 16) {                          // one row tile: unpack group by group
         if (M == 0) continue;
         if (configured != M) { amx_config(M); configured = M; }
