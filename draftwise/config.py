@@ -116,7 +116,7 @@ class SpeculativeConfig:
     # "fused": greedy rejection inside the target forward when every request is greedy;
     # "logits": always return logits and run the probabilistic sampler.
     rejection_sampler: str = "fused"
-    # choose per step how many tokens to speculate from measured step costs (issue 8)
+    # choose per step how many tokens to speculate from measured step costs (spec_decode/policy.py)
     adaptive: bool = False
     # suffix decoding (vLLM's keys and defaults)
     suffix_decoding_max_tree_depth: int = 24
@@ -215,7 +215,7 @@ class EngineConfig:
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 1024
     block_size: int = 16
-    num_kv_blocks: int | None = None      # None: what kv_cache_memory holds (at most max_num_seqs full sequences)
+    num_kv_blocks: int | None = None      # None: what kv_cache_memory holds
     # bytes for the KV pool (target and drafter layers); None: DEFAULT_KV_CACHE_MEMORY
     kv_cache_memory: int | None = None
     kv_cache_dtype: str = "auto"          # "auto" (the model's dtype), "float32", "bfloat16", "float16"
@@ -269,8 +269,8 @@ class EngineConfig:
 
 
 # the KV pool's default size: SmolLM2-135M in fp32 keeps 46 KB per token, so 256 MiB hold ~5,800
-# tokens (a few full 2,048-token contexts, or 16 requests of ~360 tokens) while the whole server stays
-# near a gigabyte; pass kv_cache_memory (--kv-cache-memory) for more
+# tokens (a few full 2,048-token contexts, or 16 requests of ~360 tokens, plus cached prefixes);
+# pass kv_cache_memory (--kv-cache-memory) for more
 DEFAULT_KV_CACHE_MEMORY = 256 << 20
 
 

@@ -75,8 +75,9 @@ class LLMEngine:
         self._pool = None
 
     def _kv_blocks_for_budget(self, lookahead: int) -> int:
-        """Blocks the KV-memory budget holds (target and drafter layers, the KV dtype), at most
-        max_num_seqs full sequences and at least one."""
+        """Blocks the KV-memory budget holds (target and drafter layers, the KV dtype): at least one
+        full sequence, at most four times max_num_seqs full sequences (blocks beyond the running
+        sequences keep finished prefixes for the prefix cache; a small model needs no more)."""
         from draftwise.config import DEFAULT_KV_CACHE_MEMORY
         c, m = self.config, self.model_cfg
         specs = [(m.num_key_value_heads, m.head_dim)] * m.num_hidden_layers
@@ -93,7 +94,7 @@ class LLMEngine:
                                  f"less than one sequence of max_model_len={c.max_model_len} needs "
                                  f"({blocks_per_seq} blocks, {blocks_per_seq * per_block} bytes)")
             fit = blocks_per_seq
-        return int(min(fit, blocks_per_seq * c.max_num_seqs))
+        return int(min(fit, 4 * blocks_per_seq * c.max_num_seqs))
 
     def _step_costs(self, sizes) -> dict[int, float]:
         """The adaptive policy's start-up table of target step costs, measured once per model,
@@ -255,7 +256,7 @@ class LLMEngine:
 
     # --- async scheduling -------------------------------------------------------------------------
     def _step_async(self) -> list[RequestOutput]:
-        """One step with the model running on a worker thread (seed 000's async scheduling):
+        """One step with the model running on a worker thread (async scheduling):
 
         while step n runs, the scheduler reserves KV blocks for step n+1 for the worst case (every
         draft of step n accepted, the next draft at full length); once step n's accepted counts are

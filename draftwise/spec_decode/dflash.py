@@ -1,4 +1,4 @@
-"""DFlashProposer: block-parallel drafting (seed 001).
+"""DFlashProposer: block-parallel drafting (DFlash).
 
 Every step, the target's auxiliary states at all valid rows of all requests (prefill chunks and
 accepted tokens alike) are projected into the draft layers' paged KV cache at their positions

@@ -1,5 +1,5 @@
-"""EagleProposer: EAGLE-3 chain drafting (seed 000's propose()), and tree drafting when
-eagle_topk > 1 (seed 002's TokenTree, batched over requests).
+"""EagleProposer: EAGLE-3 chain drafting (a propose() per step), and tree drafting when
+eagle_topk > 1 (a token tree in the style of MNN's TokenTree, batched over requests).
 
 Chain: a prefill pass over the step's valid rows (input ids shifted by one, the next token
 scattered in at each request's last row) writes the draft layer's KV and yields the first draft;

@@ -1,4 +1,4 @@
-"""EAGLE-2/3 tree drafting and tree verification (seed 002: MNN's TokenTree / evaluatePosterior).
+"""EAGLE-2/3 tree drafting and tree verification (in the style of MNN's TokenTree / evaluatePosterior).
 
 Drafting (`draft_trees`): every wanted request grows one tree of `depth` levels; each level keeps
 the global top-k leaves (by cumulative draft log-probability) as the next frontier. All requests'

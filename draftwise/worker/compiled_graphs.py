@@ -1,4 +1,4 @@
-"""Compiled execution with warmup buckets (seed 000, "Warmup with Speculation Enabled", on PyTorch).
+"""Compiled execution with warmup buckets (every bucket warmed with speculation enabled, on PyTorch).
 
 A `BucketedGraph` wraps one model function whose tensor arguments all have the flat token
 dimension first (the target's layer stack, an LM head, the EAGLE-3 layer, DFlash's block pass):

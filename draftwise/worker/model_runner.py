@@ -103,7 +103,7 @@ class ModelRunner:
 
     def _compile_graphs(self) -> None:
         """Compile the target's layer stack and LM head, and the drafter's passes, for every
-        token bucket before serving (seed 000's warmup). Disk-cached across restarts."""
+        token bucket before serving (the warmup). Disk-cached across restarts."""
         from draftwise.worker.compiled_graphs import DEFAULT_STATIC_SIZES, compile_method, configure_compile_cache
         configure_compile_cache()
         t0 = time.perf_counter()
