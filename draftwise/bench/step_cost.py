@@ -173,7 +173,8 @@ def plot(rows: list[dict], path: str, title: str) -> None:
             ax.set_title(f"context {ctx}, {th} thread{'s' if th > 1 else ''}")
             ax.grid(alpha=0.3)
             ax.legend()
-    fig.suptitle(title, fontsize=8)
+    import textwrap
+    fig.suptitle("\n".join(textwrap.wrap(title, 150)), fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
