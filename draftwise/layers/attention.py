@@ -322,7 +322,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_idx: int, sc
 
 def slots_for_positions(block_tables: torch.Tensor, req_index: torch.Tensor, positions: torch.Tensor,
                         block_size: int) -> torch.Tensor:
-    """The seed's `_paged_slots`: cache slot of absolute cache index `positions` of request `req_index`
+    """The paged-slot mapping: cache slot of absolute cache index `positions` of request `req_index`
     (block number clamped to the table width)."""
     width = block_tables.shape[1]
     blk = torch.clamp(positions // block_size, max=width - 1)

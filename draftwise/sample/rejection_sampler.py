@@ -1,4 +1,4 @@
-"""Rejection samplers (the seed's two sampling modes), as pure tensor functions.
+"""Rejection samplers (fused greedy and probabilistic), as pure tensor functions.
 
 Both return `[R, K+1]` token ids: accepted drafts, then the correction (or bonus) token, then -1.
 Request r verified `num_draft[r]` drafts; its logits rows are laid out as `num_draft[r]` draft

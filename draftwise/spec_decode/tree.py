@@ -85,11 +85,11 @@ def tree_draft_from_parents(root_token: int, tokens: list[int], parents: list[in
 
 
 class TokenTree:
-    """The seed's TokenTree, batched over B trees as tensors.
+    """A token tree (MNN-style TokenTree), batched over B trees as tensors.
 
     Node ids are creation order (init's k nodes are 0..k-1, every grow appends A*k candidates).
     `parents` holds node ids (-1 = the virtual root), `scores` cumulative log-probabilities,
-    `depth` the seed's depth + 1 (root children 1). Inputs may be unbatched ([k] / [A, k]); then
+    `depth` the drafting depth + 1 (root children 1). Inputs may be unbatched ([k] / [A, k]); then
     `finalize` returns one TreeDraft instead of a list."""
 
     def __init__(self, topk: int, d2t: torch.Tensor | None = None):
