@@ -209,3 +209,37 @@ def test_row_invariant_attention_with_a_prefill_in_the_same_step():
                             AttentionMetadata(slots, qlens, slens, bt, bs, CAUSAL).finalize(), 0.3)
     assert out.shape == (T, H, D)
     torch.testing.assert_close(out, ref)
+
+
+def test_row_invariant_tree_attention_equals_decoding_each_path():
+    """Tree verification in row-invariant mode (quantized targets): each node's output equals, bit
+    for bit, decoding that node one row at a time after its ancestors (what plain decoding of the
+    accepted path computes)."""
+    import draftwise.layers.attention as A
+    from draftwise.layers.attention import TREE
+    torch.manual_seed(2)
+    bs, Hkv, H, D, ctx = 4, 2, 4, 16, 9
+    parents = [-1, 0, 0, 1, 1, 2]                         # a root, two children, three grandchildren
+    n = len(parents)
+    mask = torch.zeros(n, n, dtype=torch.bool)
+    for i, p in enumerate(parents):
+        mask[i, i] = True
+        while p >= 0:
+            mask[i, p] = True
+            p = parents[p]
+    bt = torch.arange(8).view(1, 8)
+    kc, vc = torch.randn(32, Hkv, D), torch.randn(32, Hkv, D)
+    q, k, v = torch.randn(n, H, D), torch.randn(n, Hkv, D), torch.randn(n, Hkv, D)
+    slots = A.slots_for_positions(bt, torch.zeros(n, dtype=torch.long), torch.arange(ctx, ctx + n), bs)
+    meta = AttentionMetadata(slots, [n], [ctx + n], bt, bs, TREE, mask[None], row_invariant=True).finalize()
+    assert meta.row_plan
+    tree_out = A.paged_attention(q, k, v, kc.clone(), vc.clone(), meta, 0.3)
+    for i in range(n):
+        path = [j for j in range(n) if mask[i, j]]          # ancestors in order, then the node itself
+        kc2, vc2 = kc.clone(), vc.clone()
+        for step, j in enumerate(path):                     # decode the path one row at a time
+            pos = torch.tensor([ctx + step])
+            s1 = A.slots_for_positions(bt, torch.zeros(1, dtype=torch.long), pos, bs)
+            m1 = AttentionMetadata(s1, [1], [ctx + step + 1], bt, bs, CAUSAL, row_invariant=True).finalize()
+            o = A.paged_attention(q[j:j + 1], k[j:j + 1], v[j:j + 1], kc2, vc2, m1, 0.3)
+        assert torch.equal(o[0], tree_out[i]), i

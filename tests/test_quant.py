@@ -57,6 +57,9 @@ def test_speculation_on_a_quantized_target_is_lossless(tiny_llama, tmp_path, mod
     assert ref != [[]] * len(prompts) and len(ref) == len(fp32)
     ck = write_eagle3_checkpoint(str(tmp_path / "eagle"), load_cfg(path), seed=1)
     for spec in ({"method": "eagle3", "model": ck, "num_speculative_tokens": 3},
+                 # trees: every node attends alone over the context and its ancestors
+                 {"method": "eagle3", "model": ck, "num_speculative_tokens": 6, "eagle_topk": 2, "eagle_depth": 3},
+                 {"method": "suffix", "draft_tree": True},
                  {"method": "ngram", "num_speculative_tokens": 3}):
         llm = LLM(path, block_size=4, max_model_len=256, quantization=mode, speculative_config=spec)
         assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)] == ref

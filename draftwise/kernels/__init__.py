@@ -226,8 +226,9 @@ def int4_kernel_choice() -> dict:
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]     # SmolLM2's layer linears (N, K)
 
 
-def _measure_int4_costs(layers: int = 30) -> dict:
-    """Seconds per pass over `layers` SmolLM2-shaped layers (four linears each, distinct weights:
+def _measure_int4_costs(layers: int = 12) -> dict:
+    """Seconds per pass over `layers` SmolLM2-shaped layers (four linears each, distinct weights, ~25 MB
+    of int4 codes: more than the caches hold, as in a real step;
     decode streams every weight from memory, so a kernel timed on one hot matrix would look faster
     than it runs), by kernel and row count, p10 of repeated passes."""
     import time

@@ -94,7 +94,10 @@ class AttentionMetadata:
         """Split the requests into attention groups (short queries batched together, each long
         query alone) and derive each group's gather indices and mask."""
         R = len(self.query_lens)
-        rows_alone = self.row_invariant and self.mask_kind == CAUSAL
+        # row-invariant mode covers causal queries and tree verification (every node attends alone
+        # over the context and its ancestors: the keys plain decoding of that path would have)
+        rows_alone = self.row_invariant and (self.mask_kind == CAUSAL
+                                             or (self.mask_kind == TREE and self.tree_kv_lens is None))
         limit = MAX_ROW_INVARIANT_QUERY if rows_alone else MAX_BATCHED_QUERY
         short = [r for r in range(R) if self.query_lens[r] <= limit]
         long_ = [r for r in range(R) if self.query_lens[r] > limit]
@@ -130,7 +133,16 @@ class AttentionMetadata:
         for r in reqs:
             q, s = self.query_lens[r], self.seq_lens[r]
             slots = slots_for_positions(self.block_tables, r, torch.arange(s, device=dev), self.block_size)
-            plan.append((starts[r], list(range(s - q + 1, s + 1)), slots))
+            if self.mask_kind == TREE:
+                # one entry per row: the context, then the step's entries its mask row allows
+                # (parents precede children, so these are its ancestors in depth order, then itself)
+                ctx = torch.arange(s - q, device=dev)
+                for i in range(q):
+                    mine = torch.nonzero(self.tree_mask[r, i, :q]).flatten() + (s - q)
+                    keys = slots[torch.cat([ctx, mine])]
+                    plan.append((starts[r] + i, [keys.numel()], keys))
+            else:
+                plan.append((starts[r], list(range(s - q + 1, s + 1)), slots))
         return plan
 
     def _group(self, reqs: list[int], token_rows) -> AttentionGroup:
