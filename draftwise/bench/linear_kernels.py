@@ -94,8 +94,8 @@ def main(argv=None) -> dict:
             for m in rows:
                 xs = {k: torch.randn(m, k) for k in (576, 1536)}
                 table.setdefault(name, {})[m] = _best(lambda: fn(xs), a.repeats)
-    from draftwise.layers.quant import _cpu_flags
-    print(f"CPU capability: {torch.backends.cpu.get_cpu_capability()} ({_cpu_flags()}), "
+    from draftwise.machine import isa_summary
+    print(f"CPU capability: {torch.backends.cpu.get_cpu_capability()} ({isa_summary()}), "
           f"{torch.get_num_threads()} threads, torch {torch.__version__}; ms for SmolLM2's 120 layer linears")
     print("| kernel | " + " | ".join(f"{m} row{'s' if m > 1 else ''}" for m in rows) + " |")
     print("|---|" + "---|" * len(rows))

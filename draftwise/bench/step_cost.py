@@ -34,7 +34,7 @@ ATTENTION_OPS = ("scaled_dot_product", "aten::index_select", "aten::index_copy",
 
 
 def machine_line() -> str:
-    from draftwise.layers.quant import _cpu_flags
+    from draftwise.machine import isa_summary
     model = ""
     try:
         with open("/proc/cpuinfo") as f:
@@ -42,7 +42,7 @@ def machine_line() -> str:
     except OSError:
         pass
     return (f"{model or 'unknown CPU'}, {os.cpu_count()} cores; torch {torch.__version__} "
-            f"(capability {torch.backends.cpu.get_cpu_capability()}; {_cpu_flags() or 'no AVX-512/AMX flags'})")
+            f"(capability {torch.backends.cpu.get_cpu_capability()}; {isa_summary() or 'no AVX-512/AMX flags'})")
 
 
 def _category(name: str) -> str:

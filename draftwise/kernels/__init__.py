@@ -13,20 +13,11 @@ import threading
 
 import torch
 
+from draftwise.machine import cached_measurement, cpu_flags, machine_key
+
 logger = logging.getLogger("draftwise")
 _lock = threading.Lock()
 _state: dict = {}
-
-
-def cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
 
 
 def load():
@@ -178,8 +169,6 @@ def int4_kernel_choice() -> dict:
     compute the same numbers. One kernel serves every row count up to the limit, so a row's numbers
     never depend on how many rows shared its step."""
     import hashlib
-    import json
-    from draftwise.config import cache_dir
     forced = os.environ.get("DRAFTWISE_INT4_KERNEL")          # "draftwise" | "aten": skip the measurement
     if forced in ("draftwise", "aten"):
         if forced == "draftwise" and load() is None:
@@ -190,23 +179,8 @@ def int4_kernel_choice() -> dict:
     src = os.path.join(os.path.dirname(__file__), "int4_cpu.cpp")
     with open(src, "rb") as f:
         digest = hashlib.sha1(f.read()).hexdigest()[:12]
-    flags = ",".join(sorted(f for f in cpu_flags() if f.startswith(("avx512", "amx", "avx2"))))
-    key = f"{torch.__version__}-{torch.backends.cpu.get_cpu_capability()}-{flags}-{digest}-{torch.get_num_threads()}"
-    path = os.path.join(cache_dir(), "int4_kernel_choice.json")
-    try:
-        with open(path) as f:
-            known = json.load(f)
-    except (OSError, ValueError):
-        known = {}
-    if key not in known:
-        known[key] = _measure_int4_costs()
-        try:
-            with open(path + ".tmp", "w") as f:
-                json.dump(known, f)
-            os.replace(path + ".tmp", path)
-        except OSError:
-            pass
-    costs = known[key]
+    costs = cached_measurement("int4_kernel_choice.json", machine_key(digest, torch.get_num_threads()),
+                               _measure_int4_costs)
     rows = (1, 8, 16)
 
     def cheaper(ours: str, theirs: str) -> bool:

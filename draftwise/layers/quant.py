@@ -71,51 +71,23 @@ def dense_gemm_dtype(device: torch.device | str = "cpu") -> torch.dtype:
 
 
 def _measure_dense_dtype() -> torch.dtype:
-    import json
-    import os
     import time
-    from draftwise.config import cache_dir
-    key = f"{torch.backends.cpu.get_cpu_capability()}-{torch.__version__}-{_cpu_flags()}"
-    path = os.path.join(cache_dir(), "dense_gemm_dtype.json")
-    try:
-        with open(path) as f:
-            known = json.load(f)
-    except (OSError, ValueError):
-        known = {}
-    if key in known:
-        return getattr(torch, known[key])
-    x, w = torch.randn(256, 576), torch.randn(1536, 576)
+    from draftwise.machine import cached_measurement, machine_key
 
-    def best(dtype):
-        xd, wd = x.to(dtype), w.to(dtype)
-        times = []
-        for _ in range(5):
-            t = time.perf_counter()
-            (xd @ wd.t()).float()
-            times.append(time.perf_counter() - t)
-        return min(times)
-    # bf16 only where clearly faster (AVX512_BF16 / AMX); fp32 keeps more precision otherwise
-    choice = "bfloat16" if best(torch.bfloat16) < 0.7 * best(torch.float32) else "float32"
-    known[key] = choice
-    try:
-        with open(path + ".tmp", "w") as f:
-            json.dump(known, f)
-        os.replace(path + ".tmp", path)
-    except OSError:
-        pass
-    return getattr(torch, choice)
+    def measure() -> str:
+        x, w = torch.randn(256, 576), torch.randn(1536, 576)
 
-
-def _cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-                    return ",".join(sorted(f for f in flags if f.startswith(("avx512", "amx", "avx2"))))
-    except OSError:
-        pass
-    return ""
+        def best(dtype):
+            xd, wd = x.to(dtype), w.to(dtype)
+            times = []
+            for _ in range(5):
+                t = time.perf_counter()
+                (xd @ wd.t()).float()
+                times.append(time.perf_counter() - t)
+            return min(times)
+        # bf16 only where clearly faster (AVX512_BF16 / AMX); fp32 keeps more precision otherwise
+        return "bfloat16" if best(torch.bfloat16) < 0.7 * best(torch.float32) else "float32"
+    return getattr(torch, cached_measurement("dense_gemm_dtype.json", machine_key(), measure))
 
 
 class _QuantizedLinear(nn.Module):
