@@ -87,15 +87,21 @@ def _(x, nibbles, sm, use_amx):
     return x.new_empty((x.shape[0], nibbles.shape[0] * 16), dtype=torch.float32)
 
 
-def int4_linear(x_bf16: torch.Tensor, nibbles: torch.Tensor, sm: torch.Tensor, use_amx: bool | None = None):
+def _call(name: str, op, x_bf16: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, use_amx):
+    """Run kernel `name`: inside compiled graphs through its custom op (opaque to the compiler),
+    eagerly straight into the extension (no dispatcher hop), named in profiles when one runs."""
     use_amx = amx() if use_amx is None else bool(use_amx)
-    if torch.compiler.is_compiling():         # an opaque op inside compiled graphs
-        return int4_linear_op(x_bf16, nibbles, sm, use_amx)
-    mod = _state.get("mod") or load()
+    if torch.compiler.is_compiling():
+        return op(x_bf16, weight, scales, use_amx)
+    fn = getattr(_state.get("mod") or load(), name)
     if torch.autograd.profiler._is_profiler_enabled:          # named in profiles (draftwise bench step-cost)
-        with torch.profiler.record_function("draftwise::int4_linear"):
-            return mod.int4_linear(x_bf16.contiguous(), nibbles, sm, use_amx)
-    return mod.int4_linear(x_bf16.contiguous(), nibbles, sm, use_amx)   # eager: no dispatcher hop
+        with torch.profiler.record_function(f"draftwise::{name}"):
+            return fn(x_bf16.contiguous(), weight, scales, use_amx)
+    return fn(x_bf16.contiguous(), weight, scales, use_amx)
+
+
+def int4_linear(x_bf16: torch.Tensor, nibbles: torch.Tensor, sm: torch.Tensor, use_amx: bool | None = None):
+    return _call("int4_linear", int4_linear_op, x_bf16, nibbles, sm, use_amx)
 
 
 def attend_rows_kernel(q, k_cache, v_cache, plan, scale: float, out: torch.Tensor) -> bool:
@@ -105,9 +111,9 @@ def attend_rows_kernel(q, k_cache, v_cache, plan, scale: float, out: torch.Tenso
     if (q.device.type != "cpu" or q.dtype != torch.float32 or k_cache.dtype != torch.float32
             or q.shape[-1] % 16 or not q.is_contiguous() or not out.is_contiguous()):
         return False
-    if os.environ.get("DRAFTWISE_NO_ATTENTION_KERNEL"):
+    if os.environ.get("DRAFTWISE_NO_ATTENTION_KERNEL"):     # an A/B switch for the bench and tests
         return False
-    mod = _state.get("mod") if "mod" in _state else load()
+    mod = _state["mod"] if "mod" in _state else load()
     if mod is None:
         return False
     cached = _state.get("plan")
@@ -139,14 +145,7 @@ def unpack_int8(q8: torch.Tensor) -> torch.Tensor:
 
 
 def int8_linear(x_bf16: torch.Tensor, q8: torch.Tensor, scale: torch.Tensor, use_amx: bool | None = None):
-    use_amx = amx() if use_amx is None else bool(use_amx)
-    if torch.compiler.is_compiling():
-        return int8_linear_op(x_bf16, q8, scale, use_amx)
-    mod = _state.get("mod") or load()
-    if torch.autograd.profiler._is_profiler_enabled:
-        with torch.profiler.record_function("draftwise::int8_linear"):
-            return mod.int8_linear(x_bf16.contiguous(), q8, scale, use_amx)
-    return mod.int8_linear(x_bf16.contiguous(), q8, scale, use_amx)
+    return _call("int8_linear", int8_linear_op, x_bf16, q8, scale, use_amx)
 
 
 @torch.library.custom_op("draftwise::int8_linear", mutates_args=())

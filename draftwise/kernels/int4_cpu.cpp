@@ -188,6 +188,15 @@ AMXBF16 void rows_amx(const uint16_t* x, const float* xs, int mt, int K, uint16_
 
 AMXBF16 void amx_release() { _tile_release(); }
 
+// one thread's unpacked column block: K/2 pairs x 16 columns x 2 bf16, 64-byte aligned
+struct BlockTile {
+  uint16_t* p;
+  explicit BlockTile(int K) : p(static_cast<uint16_t*>(std::aligned_alloc(64, static_cast<size_t>(K) * NB * 2))) {}
+  ~BlockTile() { std::free(p); }
+  BlockTile(const BlockTile&) = delete;
+  BlockTile& operator=(const BlockTile&) = delete;
+};
+
 // --- int8, one scale per output channel (the LM head) ---------------------------------------------
 // q8: int8 [N/16, K/2, 16, 2] (pair layout), scale: float [N]. y = scale[n] * (x . q[n]): the codes
 // are exact in bf16, the dot products accumulate in fp32 over all of K, one multiply at the end.
@@ -272,9 +281,8 @@ torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& q8, const
   float* yp = y.data_ptr<float>();
   const bool amx = use_amx && amx_permitted();
   at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
-    std::unique_ptr<uint16_t, decltype(&std::free)> tile_mem(
-        static_cast<uint16_t*>(std::aligned_alloc(64, static_cast<size_t>(K) * NB * 2)), &std::free);
-    uint16_t* tile = tile_mem.get();
+    BlockTile tile_mem(K);
+    uint16_t* tile = tile_mem.p;
     int configured = 0;
     for (int64_t b = b0; b < b1; ++b) {
       unpack_int8(qp + b * static_cast<int64_t>(K) * NB, K, tile);
@@ -326,10 +334,8 @@ torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& nibbles, 
   float* yp = y.data_ptr<float>();
   const bool amx = use_amx && amx_permitted();
   at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
-    // the block's codes: K/2 pairs x 16 columns x 2 bf16, 64-byte aligned
-    std::unique_ptr<uint16_t, decltype(&std::free)> tile_mem(
-        static_cast<uint16_t*>(std::aligned_alloc(64, static_cast<size_t>(K) * NB * 2)), &std::free);
-    uint16_t* tile = tile_mem.get();
+    BlockTile tile_mem(K);
+    uint16_t* tile = tile_mem.p;
     int configured = 0;
     for (int64_t b = b0; b < b1; ++b) {
       const uint8_t* pkb = pk + b * (K / 2) * NB;
