@@ -15,6 +15,7 @@ from draftwise.models.dflash import (dflash_capture_layers, default_target_layer
                                      save_dflash_checkpoint, spread_target_layer_ids)
 from draftwise.models.loader import load_target_model
 from draftwise.spec_decode.dflash import DFlashProposer
+from draftwise.spec_decode.draft import Draft
 from draftwise.spec_decode.proposer import ProposerInput
 from draftwise.training.dflash import block_hidden_states
 from tests.helpers import load_cfg, write_dflash_checkpoint
@@ -259,13 +260,13 @@ def test_engine_block_matches_dense_forward(tiny_llama, llama_ckpt):
                             torch.tensor(nxt), sl, tables, [want] * 2, [None, None], [[], []])
         return prop.propose(inp, kv, bs, 3)
 
-    assert step([(0, split[0][0]), (0, split[1][0])], False) == [[], []]
+    assert step([(0, split[0][0]), (0, split[1][0])], False) == [None, None]
     drafts = step([split[0], split[1]], True)
     eng = prop.last_logits
     for r in range(2):
         dense = _dense_block_logits(draft, target, seqs[r], split[r][1], 3)
         torch.testing.assert_close(eng[r], dense, atol=1e-4, rtol=1e-4)
-        assert drafts[r] == dense.argmax(-1).tolist()
+        assert drafts[r].token_ids == dense.argmax(-1).tolist() and drafts[r].is_chain
     # several anchors in one dense pass == one pass each (blocks never see each other)
     ids = seqs[0]
     aux = _target_features(target, ids)
@@ -363,7 +364,7 @@ def test_accepted_rows_are_injected_as_context(tiny_llama, llama_ckpt, llama_ref
             if bad < k:
                 d[bad] = (d[bad] + 1) % 256
             calls["n"] += 1
-            out[i] = d
+            out[i] = Draft.chain(d, "dflash")
         return out
 
     prop.propose = propose

@@ -153,7 +153,7 @@ def test_position_cutoff_near_max_model_len(tiny_llama):
     req = next(iter(eng.requests.values()))
     while eng.has_unfinished_requests():
         eng.step()
-        if req.spec_token_ids:
+        if req.draft:
             # a draft is only proposed while the verified block still fits below max_model_len
             assert req.num_tokens - 1 + K < L
     assert req.output_token_ids == ref

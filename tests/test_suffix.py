@@ -22,18 +22,18 @@ def test_per_request_chain_and_tree_drafts():
     toks = [1, 2, 3, 4, 5, 6, 1, 2, 3, 4, 7, 8, 1, 2, 3]
     # suffix [1, 2, 3] occurs twice before (length 3, the longest); continuations 4 5 6 / 4 7 8
     d = c.speculate("a", toks, 8)
-    assert d.match_len == 3 and d.tokens == [4, 5, 6] and d.parents == [-1, 0, 1]
-    assert d.probs == [1.0, 0.5, 0.5] and d.score == 2.0          # depth capped at 1.0 x match length
+    assert d.token_ids == [4, 5, 6] and d.parents == [-1, 0, 1]
+    assert d.probs == [1.0, 0.5, 0.5] and d.expected_accepted == 2.0          # depth capped at 1.0 x match length
     t = c.speculate("a", toks, 8, tree=True)
-    assert t.tokens == [4, 5, 7, 6, 8] and t.parents == [-1, 0, 0, 1, 2]
-    assert t.score == pytest.approx(3.0)
+    assert t.token_ids == [4, 5, 7, 6, 8] and t.parents == [-1, 0, 0, 1, 2]
+    assert t.expected_accepted == pytest.approx(3.0)
     # min_token_prob prunes the 0.5 branches
     c2 = SuffixCache(max_cached_requests=0, min_token_prob=0.6)
-    assert c2.speculate("a", toks, 8).tokens == [4]
+    assert c2.speculate("a", toks, 8).token_ids == [4]
     # at most max_draft nodes
-    assert c.speculate("a", toks, 2, tree=True).tokens == [4, 5]
+    assert c.speculate("a", toks, 2, tree=True).token_ids == [4, 5]
     # no earlier occurrence of the last token: no draft
-    assert c.speculate("b", [1, 2, 3], 8).tokens == []
+    assert c.speculate("b", [1, 2, 3], 8).token_ids == []
 
 
 def test_global_cache_and_fifo_eviction():
@@ -41,13 +41,13 @@ def test_global_cache_and_fifo_eviction():
     c.speculate("r1", [9, 1, 2], 4)
     c.finish_request("r1", [10, 11, 12, 13])
     d = c.speculate("r2", [50, 10, 11], 4)                  # matches the cached output of r1
-    assert d.tokens == [12, 13] and d.match_len == 2
+    assert d.token_ids == [12, 13]
     c.finish_request("r2", [20, 21, 22])                     # evicts r1 (max_cached_requests=1)
-    assert c.speculate("r3", [50, 10, 11], 4).tokens == []
-    assert c.speculate("r4", [20, 21], 4).tokens == [22]
+    assert c.speculate("r3", [50, 10, 11], 4).token_ids == []
+    assert c.speculate("r4", [20, 21], 4).token_ids == [22]
     c0 = SuffixCache(max_cached_requests=0)                   # 0 disables the global cache
     c0.finish_request("x", [1, 2, 3, 4])
-    assert c0.speculate("y", [1, 2], 4).tokens == []
+    assert c0.speculate("y", [1, 2], 4).token_ids == []
 
 
 def test_match_lengths_and_counts_are_vectorised_correctly():
@@ -57,7 +57,7 @@ def test_match_lengths_and_counts_are_vectorised_correctly():
     assert match_lengths(buf, cand, ctx, 2, 24).tolist() == [3, 2]
     d = build_draft(buf, len(buf), np.array([2, 6]), 2, 4, 2.0, 0.0, tree=True)
     # continuations: after 2 -> a separator (nothing), after 6 -> 5 2 3 (the buffer's end)
-    assert d.tokens == [5, 2, 3] and d.probs == [0.5, 0.5, 0.5]
+    assert d.token_ids == [5, 2, 3] and d.probs == [0.5, 0.5, 0.5]
 
 
 @pytest.mark.parametrize("spec", [

@@ -13,7 +13,7 @@ import torch
 from draftwise.config import EngineConfig, SpeculativeConfig
 from draftwise.engine.errors import EngineFault
 from draftwise.engine.request import Request
-from draftwise.engine.scheduler import Scheduler, SchedulerOutput
+from draftwise.engine.scheduler import RequestUpdate, Scheduler, SchedulerOutput
 from draftwise.models.loader import load_target_model, load_tokenizer
 from draftwise.outputs import CompletionOutput, RequestOutput
 from draftwise.sampling_params import SamplingParams
@@ -309,7 +309,7 @@ class LLMEngine:
         return None
 
     # --- failure isolation ------------------------------------------------------------------------
-    def _isolate(self, sched: SchedulerOutput, err: Exception) -> list:
+    def _isolate(self, sched: SchedulerOutput, err: Exception) -> list[RequestUpdate]:
         """A step raised `err`. Run each of its requests in a step of its own, so that a failure
         attributable to one request (its sampling parameters, stop conditions, grammar ...) fails that
         request alone with a clear error while the others advance as usual. A step's K/V writes are
@@ -336,45 +336,30 @@ class LLMEngine:
             raise EngineFault(f"every request of the step failed: {type(err).__name__}: {err}") from err
         for req, e in failures:
             logger.error("request %s failed: %s: %s", req.request_id, type(e).__name__, e)
-            req.error = f"{type(e).__name__}: {e}"
-            self.scheduler.finish(req, "error")
-            items.append((req, [], None))
+            items.append(self.scheduler.fail(req, f"{type(e).__name__}: {e}"))
         return items
 
-    # --- the three phases of a step ---------------------------------------------------------------
-    def _apply(self, sched, step) -> list:
-        """Account for a step's tokens (scheduler state, speculative-decoding counters)."""
+    # --- the phases of a step ---------------------------------------------------------------------
+    def _apply(self, sched: SchedulerOutput, step) -> list[RequestUpdate]:
+        """Hand a step's result to the scheduler (it owns request state) and count drafts."""
         t0 = time.perf_counter()
-        items = []
-        now = time.time()
-        for s, new, acc, lps in zip(sched.scheduled, step.new_token_ids, step.num_accepted, step.logprobs):
-            req = s.request
-            if not new:                       # an unfinished prefill chunk: only account for it
-                self.scheduler.update(s, [], 0)
-                continue
-            if req.is_finished:               # finished while the step was in flight
-                continue
-            if req.metrics.first_token_time is None:
-                req.metrics.first_token_time = now
-            if s.num_draft_tokens:
-                self.spec_stats.observe(s.num_draft_tokens, acc)
-                req.metrics.observe(s.num_draft_tokens, acc)
-                src = req.spec_source or self.spec_config.method
-                self.spec_stats_by_source.setdefault(src, SpecDecodingStats()).observe(s.num_draft_tokens, acc)
-                if self.policy is not None and src == self.spec_config.method:
-                    # the policy sizes the model drafter: it learns from that drafter's drafts only
-                    self.policy.observe_acceptance(s.num_draft_tokens, acc)
-            appended = self.scheduler.update(s, new, acc)
-            new_lps = None
-            if lps is not None:
-                new_lps = lps[:len(appended)]
-                req.logprobs.extend(new_lps)
-            items.append((req, appended, new_lps))
+        updates = self.scheduler.update_from_output(sched, step)
+        for u in updates:
+            if u.num_draft_tokens:
+                self._observe_drafts(u)
         self.runner.timer.add("bookkeeping", time.perf_counter() - t0)
         self.num_steps += 1
-        return items
+        return updates
 
-    def _propose(self, sched, step) -> None:
+    def _observe_drafts(self, u: RequestUpdate) -> None:
+        self.spec_stats.observe(u.num_draft_tokens, u.num_accepted)
+        src = u.draft_source or self.spec_config.method
+        self.spec_stats_by_source.setdefault(src, SpecDecodingStats()).observe(u.num_draft_tokens, u.num_accepted)
+        if self.policy is not None and src == self.spec_config.method:
+            # the policy sizes the model drafter: it learns from that drafter's drafts only
+            self.policy.observe_acceptance(u.num_draft_tokens, u.num_accepted)
+
+    def _propose(self, sched: SchedulerOutput, step) -> None:
         """Drafts for the next step (or none, where the adaptive policy says plain decoding pays)."""
         k = self.num_spec_tokens
         if self.policy is not None:
@@ -391,25 +376,19 @@ class LLMEngine:
             return
         if self.policy is not None:
             self.policy.observe_draft_time(len(sched.scheduled), k, time.perf_counter() - t_draft)
-        sources = getattr(self.proposer, "last_sources", None) or [None] * len(drafts)
-        for s, d, src in zip(sched.scheduled, drafts, sources):
-            if not s.request.is_finished and d:
-                s.request.spec_source = src
-                if isinstance(d, list):
-                    s.request.spec_token_ids = d
-                else:                       # a TreeDraft
-                    s.request.spec_tree = d
+        self.scheduler.add_drafts(sched, drafts)
 
-    def _emit(self, items) -> list[RequestOutput]:
+    def _emit(self, updates: list[RequestUpdate]) -> list[RequestOutput]:
         """Detokenize (stop strings) and build the step's outputs."""
         t0 = time.perf_counter()
         outputs = []
         now = time.time()
-        for req, appended, new_lps in items:
-            new_text = self._detokenize(req, appended)
+        for u in updates:
+            req = u.request
+            new_text = self._detokenize(req, u.new_token_ids)
             if req.is_finished:
                 req.metrics.finished_time = now
-            outputs.append(self._make_output(req, appended, new_text, new_lps))
+            outputs.append(self._make_output(req, u.new_token_ids, new_text, u.new_logprobs))
         for o in outputs:
             if o.finished:
                 req = self.requests.pop(o.request_id, None)
@@ -447,17 +426,12 @@ class LLMEngine:
                              req.metrics, new_token_ids=new_ids, new_text=new_text, new_logprobs=new_lps)
 
     # --- stats ----------------------------------------------------------------------------------------
-    def _prefix_cache_stats(self) -> dict:
-        a = self.scheduler.allocator
-        return {"enabled": a.enable_caching, "queries": a.queries, "hits": a.hits,
-                "hit_rate": round(a.hits / a.queries, 4) if a.queries else 0.0, "cached_blocks": a.num_cached}
-
     def get_metrics(self) -> dict:
         d = {"spec_decode": self.spec_stats.as_dict(),
              "spec_decode_by_source": {k: v.as_dict() for k, v in sorted(self.spec_stats_by_source.items())},
              "kv_blocks_used": self.scheduler.allocator.num_used,
              "kv_blocks_total": self.scheduler.allocator.num_blocks,
-             "prefix_cache": self._prefix_cache_stats(),
+             "prefix_cache": self.scheduler.allocator.stats(),
              "num_running": len(self.scheduler.running), "num_waiting": len(self.scheduler.waiting),
              "num_steps": self.num_steps,
              "step_time_s": dict(self.runner.timer.totals)}

@@ -118,6 +118,21 @@ class BlockAllocator:
             out.append(b)
         return out
 
+    def num_free_after_touch(self, blocks: list[int]) -> int:
+        """Free blocks left once `blocks` (cached hits) are taken: hits sitting in the free queue
+        leave it."""
+        return len(self._free) - sum(1 for b in blocks if self.ref[b] == 0)
+
+    def record_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
+        """Prefix-cache statistics: a prompt of `num_tokens` found `num_hit_tokens` cached."""
+        self.queries += num_tokens
+        self.hits += num_hit_tokens
+
+    def stats(self) -> dict:
+        return {"enabled": self.enable_caching, "queries": self.queries, "hits": self.hits,
+                "hit_rate": round(self.hits / self.queries, 4) if self.queries else 0.0,
+                "cached_blocks": self.num_cached}
+
     def touch(self, blocks: list[int]) -> None:
         """Take a reference to cached blocks (reviving them from the free queue)."""
         for b in blocks:

@@ -8,6 +8,7 @@ import torch
 
 from draftwise.outputs import RequestMetrics
 from draftwise.sampling_params import SamplingParams
+from draftwise.spec_decode.draft import Draft
 
 
 class RequestStatus(enum.Enum):
@@ -25,11 +26,10 @@ class Request:
         self.prompt_token_ids = list(prompt_token_ids)
         self.params = params
         self.output_token_ids: list[int] = []
+        self._all_token_ids = list(self.prompt_token_ids)
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0          # tokens whose K/V are in the cache
-        self.spec_token_ids: list[int] = []   # drafts to verify in the next step
-        self.spec_tree = None                 # tree drafting: the TreeDraft to verify next
-        self.spec_source: str | None = None   # which drafter made the pending draft (hybrid drafting)
+        self.draft: Draft | None = None       # tokens to verify in the next step (chain or tree)
         self.block_ids: list[int] = []
         self.block_hashes: list[bytes] = []   # chained SHA-256 keys of the full computed blocks (prefix cache)
         self.finish_reason: str | None = None
@@ -46,11 +46,16 @@ class Request:
 
     @property
     def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
+        """Prompt then output tokens (one list kept up to date by `append_output`; read-only)."""
+        return self._all_token_ids
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        return len(self._all_token_ids)
+
+    def append_output(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self._all_token_ids.append(token_id)
 
     @property
     def is_finished(self) -> bool:

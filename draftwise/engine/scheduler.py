@@ -1,28 +1,48 @@
 """Continuous-batching scheduler (vLLM-v1 style token accounting).
 
-Every step each running request is given `num_tokens + len(spec_token_ids) - num_computed_tokens`
+Every step each running request is given `num_tokens + len(draft) - num_computed_tokens`
 new tokens (a prefill chunk, one decode token, or 1 + K verification tokens) within a per-step
 token budget; waiting requests are admitted while sequences, budget and KV blocks allow. When the
 pool runs out, the newest running request is preempted (its blocks freed, recomputed later).
+
+The step contract: `schedule()` -> SchedulerOutput (what runs, each request with its draft) ->
+the model runner's ModelRunnerOutput (accepted drafts + sampled token per request) ->
+`update_from_output()`, which alone changes request state; the next step's drafts come back
+through `add_drafts()`. The scheduler is tested with hand-built outputs, no model.
 """
 from __future__ import annotations
 
 import math
+import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from draftwise.config import EngineConfig
 from draftwise.engine.kv_cache import BlockAllocator, block_hashes
 from draftwise.engine.request import Request, RequestStatus
+from draftwise.spec_decode.draft import Draft
+
+if TYPE_CHECKING:
+    from draftwise.spec_decode.tree import TreeDraft
 
 
 @dataclass
 class ScheduledRequest:
+    """One request's share of a step."""
     request: Request
     start_pos: int              # == num_computed_tokens when scheduled
-    token_ids: list[int]        # tokens fed this step (non-draft part then drafts)
+    token_ids: list[int]        # tokens fed this step: the not-yet-computed prefix, then the draft
     num_draft_tokens: int
-    tree: object | None = None  # TreeDraft being verified (tree drafting)
+    draft: Draft | None = None  # the draft being verified (cut to num_draft_tokens), None if none
+    completes_prompt: bool = field(init=False)  # every known token is computed after it: one is sampled
+    tree: TreeDraft | None = field(init=False)  # verification tree of a branching draft, None for chains
+
+    def __post_init__(self):
+        self.completes_prompt = self.start_pos + self.num_prefix_tokens >= self.request.num_tokens
+        self.tree = None
+        if self.draft is not None and not self.draft.is_chain:
+            self.tree = self.draft.verification_tree(self.token_ids[self.num_prefix_tokens - 1])
 
     @property
     def num_new_tokens(self) -> int:
@@ -32,20 +52,27 @@ class ScheduledRequest:
     def num_prefix_tokens(self) -> int:
         return len(self.token_ids) - self.num_draft_tokens
 
-    completes_prompt: bool = False   # after this step every known token is computed: one is sampled
-
-    def __post_init__(self):
-        self.completes_prompt = self.start_pos + self.num_prefix_tokens >= self.request.num_tokens
-
 
 @dataclass
 class SchedulerOutput:
+    """What one step runs: the scheduled requests in batch order, and those preempted to make room."""
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
         return sum(s.num_new_tokens for s in self.scheduled)
+
+
+@dataclass
+class RequestUpdate:
+    """What a step changed for one request that produced tokens (Scheduler.update_from_output)."""
+    request: Request
+    new_token_ids: list[int]            # appended to the output (cut at a stop condition)
+    new_logprobs: list | None           # TokenLogprob per appended token, when asked for
+    num_draft_tokens: int = 0           # drafts verified this step
+    num_accepted: int = 0               # of which accepted
+    draft_source: str | None = None     # the drafter that made them
 
 
 class Scheduler:
@@ -76,8 +103,7 @@ class Scheduler:
             return
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
-        req.spec_token_ids = []
-        req.spec_tree = None
+        req.draft = None
         self._free(req)
         if req in self.running:
             self.running.remove(req)
@@ -152,8 +178,7 @@ class Scheduler:
     def _preempt(self, req: Request) -> None:
         self._free(req)
         req.num_computed_tokens = 0
-        req.spec_token_ids = []
-        req.spec_tree = None
+        req.draft = None
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
         self.waiting.appendleft(req)
@@ -166,10 +191,9 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n_prefix = req.num_tokens - req.num_computed_tokens
-            drafts = req.spec_token_ids if req.spec_tree is None else req.spec_tree.token_ids[1:]
-            n_draft = len(drafts)
-            if n_prefix + n_draft > budget:
-                n_draft = 0 if req.spec_tree is not None else max(0, budget - n_prefix)
+            n_draft = len(req.draft) if req.draft is not None else 0
+            if n_prefix + n_draft > budget:          # cut the draft first (its first nodes stay valid)
+                n_draft = max(0, budget - n_prefix)
                 n_prefix = min(n_prefix, budget)
             lookahead = self.num_lookahead_tokens if (n_prefix + req.num_computed_tokens >= req.num_tokens) else 0
             need = req.num_computed_tokens + n_prefix + n_draft + lookahead
@@ -186,9 +210,9 @@ class Scheduler:
             if preempted_self:
                 break
             toks = req.all_token_ids[req.num_computed_tokens:req.num_computed_tokens + n_prefix]
-            tree = req.spec_tree if (req.spec_tree is not None and n_draft) else None
-            out.scheduled.append(ScheduledRequest(req, req.num_computed_tokens, toks + list(drafts[:n_draft]),
-                                                  n_draft, tree))
+            draft = req.draft.truncated(n_draft) if n_draft else None
+            out.scheduled.append(ScheduledRequest(req, req.num_computed_tokens,
+                                                  toks + (draft.token_ids if draft else []), n_draft, draft))
             budget -= n_prefix + n_draft
             i += 1
         if out.preempted:
@@ -200,12 +224,10 @@ class Scheduler:
             n = min(req.num_tokens - computed, budget)
             lookahead = self.num_lookahead_tokens if computed + n >= req.num_tokens else 0
             total = min(math.ceil((computed + n + lookahead) / self.block_size), self.max_blocks_per_seq)
-            revived = sum(1 for b in hits if self.allocator.ref[b] == 0)
-            if total - len(req.block_ids) - len(hits) > self.allocator.num_free - revived:
+            if total - len(req.block_ids) - len(hits) > self.allocator.num_free_after_touch(hits):
                 break
             if self.allocator.enable_caching and req.num_computed_tokens == 0:
-                self.allocator.queries += req.num_tokens
-                self.allocator.hits += len(hits) * self.block_size
+                self.allocator.record_lookup(req.num_tokens, len(hits) * self.block_size)
             if hits:
                 self.allocator.touch(hits)
                 req.block_ids = hits + req.block_ids
@@ -219,20 +241,55 @@ class Scheduler:
             budget -= n
         return out
 
-    def update(self, sched: ScheduledRequest, new_token_ids: list[int], num_accepted: int) -> list[int]:
-        """Account for a step's result: `new_token_ids` are the accepted drafts followed by the one
-        sampled token (empty for an unfinished prefill chunk). Returns the tokens actually appended
-        (cut at a stop condition)."""
+    def update_from_output(self, out: SchedulerOutput, result) -> list[RequestUpdate]:
+        """Apply a step's result (a ModelRunnerOutput: per scheduled request the accepted drafts and
+        the sampled token, the accepted count, logprobs) to the requests: computed tokens, output
+        tokens cut at a stop condition, finished requests, per-request metrics. Returns an update per
+        request that produced tokens; prefill chunks that sample nothing are only accounted."""
+        updates = []
+        now = time.time()
+        for s, new, acc, lps in zip(out.scheduled, result.new_token_ids, result.num_accepted, result.logprobs):
+            req = s.request
+            if req.is_finished:                 # finished (stop string, abort) while the step ran
+                continue
+            appended = self._update(s, new, acc)
+            if not new:
+                continue
+            if req.metrics.first_token_time is None:
+                req.metrics.first_token_time = now
+            if s.num_draft_tokens:
+                req.metrics.observe(s.num_draft_tokens, acc)
+            new_lps = None
+            if lps is not None:
+                new_lps = lps[:len(appended)]
+                req.logprobs.extend(new_lps)
+            updates.append(RequestUpdate(req, appended, new_lps, s.num_draft_tokens, acc,
+                                         s.draft.source if s.draft is not None else None))
+        return updates
+
+    def add_drafts(self, out: SchedulerOutput, drafts: list[Draft | None]) -> None:
+        """Install the drafts proposed after step `out` for the next step (requests still running)."""
+        for s, d in zip(out.scheduled, drafts):
+            if d and not s.request.is_finished:
+                s.request.draft = d
+
+    def fail(self, req: Request, error: str) -> RequestUpdate:
+        """End a request whose step failed on its own account (finish_reason "error")."""
+        req.error = error
+        self.finish(req, "error")
+        return RequestUpdate(req, [], None)
+
+    def _update(self, sched: ScheduledRequest, new_token_ids: list[int], num_accepted: int) -> list[int]:
+        """Account for one request's result: `new_token_ids` are the accepted drafts followed by the
+        one sampled token (empty for an unfinished prefill chunk). Returns the tokens actually
+        appended (cut at a stop condition)."""
         req = sched.request
-        if req.is_finished:
-            return []
         req.num_computed_tokens = sched.start_pos + sched.num_prefix_tokens + num_accepted
-        req.spec_token_ids = []
-        req.spec_tree = None
+        req.draft = None
         appended, reason = [], None
         p = req.params
         for tok in new_token_ids:
-            req.output_token_ids.append(tok)
+            req.append_output(tok)
             appended.append(tok)
             if tok in req.eos_token_ids or tok in p.stop_token_ids:
                 reason = "stop"

@@ -19,6 +19,7 @@ import torch
 
 from draftwise.layers.attention import NONCAUSAL, AttentionMetadata, slots_for_positions
 from draftwise.models.dflash import dflash_capture_layers
+from draftwise.spec_decode.draft import Draft
 from draftwise.spec_decode.proposer import Proposer, ProposerInput
 
 logger = logging.getLogger("draftwise")
@@ -87,7 +88,7 @@ class DFlashProposer(Proposer):
     def propose(self, inp: ProposerInput, kv_cache, block_size: int, num_spec_tokens: int):
         R = len(inp.query_lens)
         dev = inp.token_ids.device
-        out: list = [[] for _ in range(R)]
+        out: list[Draft | None] = [None] * R
         t0 = time.perf_counter()
         self.num_calls += 1
         # 1. context KV injection for every valid row of every request
@@ -129,5 +130,5 @@ class DFlashProposer(Proposer):
         self.timings["lm_head"] += time.perf_counter() - t2
         self.num_blocks += n
         for j, i in enumerate(want):
-            out[i] = drafts[j]
+            out[i] = Draft.chain(drafts[j], self.method)
         return out

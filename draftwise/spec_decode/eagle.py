@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from draftwise.layers.attention import CAUSAL, AttentionMetadata, slots_for_positions
+from draftwise.spec_decode.draft import Draft
 from draftwise.spec_decode.proposer import Proposer, ProposerInput
 
 
@@ -86,7 +87,7 @@ class EagleProposer(Proposer):
         # requests with no valid rows this step (cannot happen for running requests) are skipped
         prenorm, last = self._prefill(inp, kv_cache, block_size)
         want = [i for i in range(R) if inp.want_draft[i]]
-        out: list = [[] for _ in range(R)]
+        out: list[Draft | None] = [None] * R
         if not want or num_spec_tokens <= 0:
             return out
         dev = prenorm.device
@@ -94,10 +95,10 @@ class EagleProposer(Proposer):
         h = prenorm[last[sel]]
         logits = self.model.compute_logits(h)
         if self.topk > 1:
-            from draftwise.spec_decode.tree import draft_trees
+            from draftwise.spec_decode.tree import draft_from_tree, draft_trees
             trees = draft_trees(self, logits, h, inp, sel, kv_cache, block_size, num_spec_tokens)
             for j, i in enumerate(want):
-                out[i] = trees[j]
+                out[i] = draft_from_tree(trees[j], self.method)
             return out
         tok = self.model.draft_to_target(logits.argmax(-1))
         drafts = [tok]
@@ -114,5 +115,5 @@ class EagleProposer(Proposer):
             pos = pos + 1
         d = torch.stack(drafts, 1).tolist()
         for j, i in enumerate(want):
-            out[i] = d[j]
+            out[i] = Draft.chain(d[j], self.method)
         return out

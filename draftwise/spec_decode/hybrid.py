@@ -6,14 +6,13 @@ draft length (suffix: the expected number of accepted tokens, the sum of its pat
 n-gram: its length, every token a single confident match); otherwise the model drafts. The model
 drafter still runs its prefill pass over every request's new rows (its KV must cover the accepted
 tokens whichever source drafted them); it only skips the drafting passes for requests the
-training-free draft wins. `last_sources` names the source of each request's draft for the
-per-source acceptance metrics."""
+training-free draft wins. Each draft's `source` names the drafter that made it (the per-source
+acceptance metrics)."""
 from __future__ import annotations
 
 from dataclasses import replace
 
 from draftwise.spec_decode.proposer import Proposer, ProposerInput
-from draftwise.spec_decode.suffix import SuffixDraft, SuffixProposer, to_engine_draft
 
 
 class HybridProposer(Proposer):
@@ -24,7 +23,6 @@ class HybridProposer(Proposer):
         self.method = f"{model.method}+{fast.method}"
         self.needs_aux_hidden_states = model.needs_aux_hidden_states
         self.num_lookahead_tokens = model.num_lookahead_tokens
-        self.last_sources: list[str | None] = []
         self.expected_acceptance = getattr(model, "expected_acceptance", None)
 
     @property
@@ -48,23 +46,9 @@ class HybridProposer(Proposer):
     def on_request_finished(self, request) -> None:
         self.fast.on_request_finished(request)
 
-    def _fast_drafts(self, inp: ProposerInput) -> list[SuffixDraft]:
-        if isinstance(self.fast, SuffixProposer):
-            return self.fast.suffix_drafts(inp, self.fast_max_tokens)
-        chains = self.fast.propose(inp, None, 0, self.fast_max_tokens)
-        return [SuffixDraft(list(c), list(range(-1, len(c) - 1)), [1.0] * len(c), len(c)) for c in chains]
-
     def propose(self, inp: ProposerInput, kv_cache, block_size: int, num_spec_tokens: int):
-        fast = self._fast_drafts(inp) if num_spec_tokens > 0 else [SuffixDraft() for _ in inp.requests]
-        use_fast = [w and len(d) > 0 and d.score >= num_spec_tokens for w, d in zip(inp.want_draft, fast)]
+        fast = self.fast.propose(inp, None, 0, self.fast_max_tokens) if num_spec_tokens > 0 else [None] * len(inp.requests)
+        use_fast = [bool(w and d and d.expected_accepted >= num_spec_tokens) for w, d in zip(inp.want_draft, fast)]
         model_inp = replace(inp, want_draft=[w and not f for w, f in zip(inp.want_draft, use_fast)])
         model_drafts = self.drafter.propose(model_inp, kv_cache, block_size, num_spec_tokens)
-        out, self.last_sources = [], []
-        for req, f, d, md in zip(inp.requests, use_fast, fast, model_drafts):
-            if f:
-                out.append(to_engine_draft(d, req.all_token_ids[-1]))
-                self.last_sources.append(self.fast.method)
-            else:
-                out.append(md)
-                self.last_sources.append(self.drafter.method if md else None)
-        return out
+        return [f if use else m for use, f, m in zip(use_fast, fast, model_drafts)]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from draftwise.spec_decode.draft import Draft
 from draftwise.spec_decode.proposer import Proposer, ProposerInput
 
 
@@ -33,8 +34,9 @@ class NgramProposer(Proposer):
         out = []
         for req, want in zip(inp.requests, inp.want_draft):
             if not want or num_spec_tokens <= 0:
-                out.append([])
+                out.append(None)
                 continue
             toks = np.asarray(req.all_token_ids, dtype=np.int64)
-            out.append(ngram_propose(toks, self.n_min, self.n_max, num_spec_tokens))
+            toks = ngram_propose(toks, self.n_min, self.n_max, num_spec_tokens)
+            out.append(Draft.chain(toks, self.method) if toks else None)
         return out

@@ -5,6 +5,8 @@ from dataclasses import dataclass
 
 import torch
 
+from draftwise.spec_decode.draft import Draft
+
 
 @dataclass
 class ProposerInput:
@@ -42,7 +44,9 @@ class Proposer:
         """Compile the drafter's passes (see worker/compiled_graphs.py); none by default."""
         return []
 
-    def propose(self, inp: ProposerInput, kv_cache, block_size: int, num_spec_tokens: int) -> list[list[int]]:
+    def propose(self, inp: ProposerInput, kv_cache, block_size: int, num_spec_tokens: int) -> list[Draft | None]:
+        """One draft per request of `inp` (None where none is wanted or found), at most
+        `num_spec_tokens` nodes, its `source` naming the drafter."""
         raise NotImplementedError
 
     def on_request_finished(self, request) -> None:

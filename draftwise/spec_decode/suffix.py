@@ -28,34 +28,18 @@ from __future__ import annotations
 
 import heapq
 from collections import deque
-from dataclasses import dataclass, field
 
 import numpy as np
 
+from draftwise.spec_decode.draft import Draft
 from draftwise.spec_decode.proposer import Proposer, ProposerInput
 
 SEPARATOR = -1            # between sequences of the global corpus: never matches a token
 MAX_OCCURRENCES = 256     # most recent occurrences of a suffix considered (bounds a step's work)
 
 
-@dataclass
-class SuffixDraft:
-    """Draft nodes in creation order (parents first). Chain: parents = [-1, 0, 1, ...]."""
-    tokens: list[int] = field(default_factory=list)
-    parents: list[int] = field(default_factory=list)   # index of the parent node, -1 = the root
-    probs: list[float] = field(default_factory=list)   # path probability of each node
-    match_len: int = 0
-
-    @property
-    def score(self) -> float:
-        return float(sum(self.probs))
-
-    def __len__(self) -> int:
-        return len(self.tokens)
-
-    @property
-    def is_chain(self) -> bool:
-        return all(p == i - 1 for i, p in enumerate(self.parents))
+def no_draft() -> Draft:
+    return Draft([], [], SuffixProposer.method, [])
 
 
 class TokenIndex:
@@ -126,10 +110,11 @@ def match_lengths(buf: np.ndarray, cand: np.ndarray, context: np.ndarray, known:
 
 
 def build_draft(buf: np.ndarray, n: int, occ: np.ndarray, match_len: int, max_draft: int,
-                max_spec_factor: float, min_token_prob: float, tree: bool) -> SuffixDraft:
-    """Draft from the continuations of the occurrences `occ` of a suffix of length `match_len`."""
+                max_spec_factor: float, min_token_prob: float, tree: bool) -> Draft:
+    """Draft from the continuations of the occurrences `occ` of a suffix of length `match_len`;
+    `probs` holds each node's path probability."""
     depth_limit = min(max_draft, int(max_spec_factor * match_len))
-    draft = SuffixDraft(match_len=match_len)
+    draft = no_draft()
     if depth_limit <= 0 or len(occ) == 0:
         return draft
     cols = occ[:, None] + 1 + np.arange(depth_limit)[None, :]
@@ -161,12 +146,12 @@ def build_draft(buf: np.ndarray, n: int, occ: np.ndarray, match_len: int, max_dr
             tie += 1
 
     push_children(-1, np.arange(total), 0)
-    while heap and len(draft.tokens) < max_draft:       # best-first by path probability
+    while heap and len(draft) < max_draft:       # best-first by path probability
         negp, _, parent, tok, rows, depth = heapq.heappop(heap)
-        draft.tokens.append(tok)
+        draft.token_ids.append(tok)
         draft.parents.append(parent)
         draft.probs.append(float(-negp))
-        push_children(len(draft.tokens) - 1, rows, depth)
+        push_children(len(draft) - 1, rows, depth)
     return draft
 
 
@@ -218,25 +203,25 @@ class SuffixCache:
 
     # --- speculation -----------------------------------------------------------------------------
     def _draft_from(self, index: TokenIndex, context: np.ndarray, exclude_last: bool, max_draft: int,
-                    tree: bool) -> SuffixDraft:
+                    tree: bool) -> Draft:
         cand, known = index.candidates(context, exclude_last)
         if len(cand) == 0:
-            return SuffixDraft()
+            return no_draft()
         m = match_lengths(index.buf, cand, context, known, self.max_depth)
         best = int(m.max())
         return build_draft(index.buf, index.n, cand[m == best], best, max_draft, self.factor,
                            self.min_prob, tree)
 
     def speculate(self, request_id: str, all_token_ids: list[int], max_draft: int,
-                  tree: bool = False) -> SuffixDraft:
+                  tree: bool = False) -> Draft:
         idx = self.update_request(request_id, all_token_ids)
         if max_draft <= 0 or not all_token_ids:
-            return SuffixDraft()
+            return no_draft()
         ctx = idx.buf[max(0, idx.n - self.max_depth):idx.n]
         best = self._draft_from(idx, ctx, True, max_draft, tree)
         if self.max_cached > 0 and self.global_index.n:
             g = self._draft_from(self.global_index, ctx, False, max_draft, tree)
-            if g.score > best.score:
+            if g.expected_accepted > best.expected_accepted:
                 best = g
         return best
 
@@ -252,29 +237,20 @@ class SuffixProposer(Proposer):
         self.cache = SuffixCache(max_tree_depth, max_cached_requests, max_spec_factor, min_token_prob)
         self.num_lookahead_tokens = 0
 
-    def suffix_drafts(self, inp: ProposerInput, num_spec_tokens: int) -> list[SuffixDraft]:
+    def suffix_drafts(self, inp: ProposerInput, num_spec_tokens: int) -> list[Draft]:
+        """A draft per request (empty where none is wanted or matched)."""
         out = []
         for req, want in zip(inp.requests, inp.want_draft):
             if not want or num_spec_tokens <= 0:
                 self.cache.update_request(req.request_id, req.all_token_ids)
-                out.append(SuffixDraft())
+                out.append(no_draft())
                 continue
             out.append(self.cache.speculate(req.request_id, req.all_token_ids, num_spec_tokens, self.tree))
         return out
 
     def propose(self, inp: ProposerInput, kv_cache, block_size: int, num_spec_tokens: int):
-        return [to_engine_draft(d, req.all_token_ids[-1]) for d, req in
-                zip(self.suffix_drafts(inp, num_spec_tokens), inp.requests)]
+        return [d or None for d in self.suffix_drafts(inp, num_spec_tokens)]
 
     def on_request_finished(self, request) -> None:
         self.cache.finish_request(request.request_id, request.output_token_ids)
 
-
-def to_engine_draft(d: SuffixDraft, root_token: int):
-    """A chain as a token list; a branching draft as a TreeDraft rooted at the sampled token."""
-    if not d.tokens:
-        return []
-    if d.is_chain:
-        return list(d.tokens)
-    from draftwise.spec_decode.tree import tree_draft_from_parents
-    return tree_draft_from_parents(root_token, d.tokens, d.parents, d.probs)

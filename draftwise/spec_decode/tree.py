@@ -28,6 +28,7 @@ import torch
 
 from draftwise.layers.attention import TREE, AttentionMetadata, slots_for_positions
 from draftwise.sample.sampler import SamplingMetadata, target_probs
+from draftwise.spec_decode.draft import Draft
 
 
 @dataclass
@@ -82,6 +83,14 @@ def tree_draft_from_parents(root_token: int, tokens: list[int], parents: list[in
         scores[0] = 0.0
     return TreeDraft([int(root_token)] + [int(t) for t in tokens], torch.tensor(depths), mask, par, paths,
                      scores)
+
+
+def draft_from_tree(tree: TreeDraft, source: str) -> Draft:
+    """The engine's Draft for a tree built by tree drafting, keeping the tree as its verification
+    plan (its scores are cumulative log-probabilities: the path probabilities are their exp)."""
+    probs = tree.scores[1:].exp().tolist() if tree.scores is not None else None
+    return Draft([int(t) for t in tree.token_ids[1:]], [p - 1 for p in tree.parents[1:]], source, probs,
+                 plan=tree)
 
 
 class TokenTree:

@@ -14,6 +14,7 @@ from draftwise.engine.scheduler import SchedulerOutput
 from draftwise.layers.attention import CAUSAL, TREE, AttentionMetadata, slots_for_positions
 from draftwise.sample.rejection_sampler import greedy_rejection_sample, rejection_sample
 from draftwise.sample.sampler import SamplingMetadata
+from draftwise.spec_decode.draft import Draft
 from draftwise.spec_decode.metadata import SpecDecodeMetadata
 from draftwise.spec_decode.proposer import Proposer, ProposerInput
 
@@ -21,8 +22,9 @@ logger = logging.getLogger("draftwise")
 
 
 @dataclass
-class StepOutput:
-    """Result of one target step, kept until the proposer has run."""
+class ModelRunnerOutput:
+    """Result of one target step (Scheduler.update_from_output reads the first four fields; the
+    proposer reads the rest for the next step's drafts)."""
     sched: SchedulerOutput
     new_token_ids: list[list[int]]        # per scheduled request: accepted drafts + sampled token
     num_accepted: list[int]
@@ -183,7 +185,7 @@ class ModelRunner:
 
     # --- one step --------------------------------------------------------------------------------
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> StepOutput:
+    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         return self.run(self.prepare(out))
 
     def prepare(self, out: SchedulerOutput) -> "StepInputs":
@@ -230,7 +232,7 @@ class ModelRunner:
                           spec_meta, any_tree)
 
     @torch.inference_mode()
-    def run(self, inp: "StepInputs") -> StepOutput:
+    def run(self, inp: "StepInputs") -> ModelRunnerOutput:
         """The target forward, verification / sampling and tree KV compaction of a prepared step."""
         out, scheds = inp.sched, inp.sched.scheduled
         input_ids, positions, block_tables, cache_pos = inp.input_ids, inp.positions, inp.block_tables, inp.cache_pos
@@ -271,7 +273,7 @@ class ModelRunner:
         self.timer.add("sampling", t3 - t2)
         self.timer.steps += 1
         starts = [0] + cu[:-1]
-        return StepOutput(out, step_new, step_acc, input_ids, positions, output.aux_hidden_states,
+        return ModelRunnerOutput(out, step_new, step_acc, input_ids, positions, output.aux_hidden_states,
                           block_tables, starts, accepted_rows, logprobs)
 
     def _logprobs(self, scheds, new_tokens, logits, num_draft) -> list:
@@ -331,10 +333,10 @@ class ModelRunner:
         return spec is None or spec.draft_seeded_sampling or params.seed is None or params.greedy
 
     @torch.inference_mode()
-    def propose(self, step: StepOutput, num_spec_tokens: int) -> list[list[int]]:
-        """Drafts for every scheduled request (empty where none is wanted)."""
+    def propose(self, step: ModelRunnerOutput, num_spec_tokens: int) -> list[Draft | None]:
+        """Drafts for every scheduled request (None where none is wanted)."""
         if self.proposer is None:
-            return [[] for _ in step.sched.scheduled]
+            return [None] * len(step.sched.scheduled)
         t0 = time.perf_counter()
         scheds = step.sched.scheduled
         rows, qlens, seq_lens, next_ids, want = [], [], [], [], []
@@ -359,7 +361,7 @@ class ModelRunner:
                              and req.params.speculate and self._drafts_allowed(req.params)
                              and sampled_pos + num_spec_tokens < self.config.max_model_len))
         if not any(want) and not self.proposer.needs_aux_hidden_states:
-            return [[] for _ in scheds]
+            return [None] * len(scheds)
         row_t = torch.tensor(rows, dtype=torch.long, device=self.device)
         if step.accepted_rows:
             positions = torch.cat([torch.arange(s.start_pos, s.start_pos + q) for s, q in zip(scheds, qlens)]).to(self.device)
@@ -372,12 +374,11 @@ class ModelRunner:
             seq_lens=seq_lens, block_tables=step.block_tables, want_draft=want,
             requests=[s.request for s in scheds], new_tokens=step.new_token_ids)
         drafts = self.proposer.propose(inp, self.kv_cache, self.block_size, num_spec_tokens)
-        # variable-length drafters may propose past the position limit: keep what fits
+        # variable-length drafters may propose past the position limit: keep what fits (a tree's
+        # first nodes are a valid tree)
         for i, (d, n) in enumerate(zip(drafts, seq_lens)):
             room = self.config.max_model_len - 1 - n
-            if isinstance(d, list) and len(d) > room:
-                drafts[i] = d[:max(0, room)]
-            elif d and not isinstance(d, list) and d.num_nodes > room:     # a TreeDraft
-                drafts[i] = []
+            if d is not None and len(d) > room:
+                drafts[i] = d.truncated(room) if room > 0 else None
         self.timer.add("drafting", time.perf_counter() - t0)
         return drafts
