@@ -107,8 +107,9 @@ class SpeculativeConfig:
     method: str
     model: str | None = None
     num_speculative_tokens: int | None = None
-    # tree drafting (EAGLE-3 heads): topk 1 == chain
-    eagle_topk: int = 1
+    # tree drafting (EAGLE-3 heads): topk 1 == chain. None (with num_speculative_tokens None): the
+    # shipped drafter's recommended preset (its config's "draftwise_speculative_config")
+    eagle_topk: int | None = None
     eagle_depth: int | None = None
     # n-gram
     prompt_lookup_min: int = 1
@@ -163,7 +164,7 @@ class SpeculativeConfig:
             raise ValueError(f"num_speculative_tokens must be an integer >= 1, got {k!r}")
         if self.method == "suffix" and k is None:
             self.num_speculative_tokens = k = self.suffix_decoding_max_tree_depth   # vLLM's default
-        if self.method != "dflash" and k is None:
+        if self.method not in ("dflash", "eagle3") and k is None:     # drafters carry a preset
             raise ValueError(f"speculative method {self.method!r} needs num_speculative_tokens")
         if not isinstance(self.suffix_decoding_max_tree_depth, int) or self.suffix_decoding_max_tree_depth < 1:
             raise ValueError("suffix_decoding_max_tree_depth must be an integer >= 1, got "
@@ -188,24 +189,25 @@ class SpeculativeConfig:
                                  f"dflash), not {self.method!r}")
         if self.rejection_sampler not in ("fused", "logits"):
             raise ValueError(f"rejection_sampler must be 'fused' or 'logits', got {self.rejection_sampler!r}")
-        if not isinstance(self.eagle_topk, int) or self.eagle_topk < 1:
+        if self.eagle_topk is not None and (not isinstance(self.eagle_topk, int) or self.eagle_topk < 1):
             raise ValueError(f"eagle_topk must be an integer >= 1, got {self.eagle_topk!r}")
         if self.eagle_depth is not None and (not isinstance(self.eagle_depth, int) or self.eagle_depth < 1):
             raise ValueError(f"eagle_depth must be an integer >= 1, got {self.eagle_depth!r}")
-        if self.eagle_topk > 1 and self.method != "eagle3":
+        topk = self.eagle_topk or 1
+        if topk > 1 and self.method != "eagle3":
             raise ValueError("tree drafting (eagle_topk > 1) is available with method 'eagle3' only")
-        if self.adaptive and self.eagle_topk > 1:
+        if self.adaptive and topk > 1:
             raise ValueError("adaptive speculation length applies to chain drafting (eagle_topk = 1)")
         if self.method == "ngram":
             if not (1 <= self.prompt_lookup_min <= self.prompt_lookup_max):
                 raise ValueError("ngram needs 1 <= prompt_lookup_min <= prompt_lookup_max, got "
                                  f"{self.prompt_lookup_min}, {self.prompt_lookup_max}")
-        if self.eagle_topk > 1:
+        if topk > 1 and k is not None:
             depth = self.eagle_depth or k
-            capacity = self.eagle_topk + (depth - 1) * self.eagle_topk * self.eagle_topk
+            capacity = topk + (depth - 1) * topk * topk
             if k > capacity:
                 raise ValueError(f"num_speculative_tokens={k} exceeds what a tree of eagle_topk="
-                                 f"{self.eagle_topk}, eagle_depth={depth} can hold ({capacity} nodes)")
+                                 f"{topk}, eagle_depth={depth} can hold ({capacity} nodes)")
 
 
 @dataclass
@@ -223,8 +225,8 @@ class EngineConfig:
     device: str = "cpu"
     seed: int = 0
     speculative_config: SpeculativeConfig | None = None
-    # compiled graphs (worker/compiled_graphs.py); None reads $DRAFTWISE_ENFORCE_EAGER (default off)
-    enforce_eager: bool | None = None
+    # eager steps; False compiles the step's graphs (worker/compiled_graphs.py)
+    enforce_eager: bool = True
     compile_sizes: tuple[int, ...] | None = None   # static token buckets; None: (1, 2, 4, 8)
     # weight-only quantization of the target's (and drafter's) linears: None | "int8" | "int4"
     quantization: str | None = None
@@ -236,8 +238,6 @@ class EngineConfig:
     async_scheduling: bool = False
 
     def __post_init__(self):
-        if self.enforce_eager is None:
-            self.enforce_eager = os.environ.get("DRAFTWISE_ENFORCE_EAGER", "0") not in ("", "0", "false")
         if self.compile_sizes is not None:
             sizes = tuple(self.compile_sizes)
             if not sizes or not all(isinstance(x, int) and x >= 1 for x in sizes):

@@ -314,3 +314,28 @@ def test_adaptive_speculation_is_lossless(tiny_llama):
               speculative_config={"method": "ngram", "num_speculative_tokens": 4, "adaptive": True})
     assert _ids(llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY)) == ref
     assert llm.engine.policy.step_costs and llm.engine.policy.chosen
+
+
+def test_eagle3_alone_takes_the_drafters_recommended_preset(tiny_llama, tmp_path):
+    """{"method": "eagle3"} with no length: the drafter's config names its tree preset and its
+    chain length; a drafter without one is a clear error; outputs stay those of plain decoding."""
+    import json
+    import os
+    path, _ = tiny_llama
+    ck = write_eagle3_checkpoint(str(tmp_path / "head"), load_cfg(path))
+    with pytest.raises(ValueError, match="recommends no draft length"):
+        LLM(path, speculative_config={"method": "eagle3", "model": ck})
+    raw = load_cfg(ck)
+    raw["draftwise_speculative_config"] = {"num_speculative_tokens": 5, "eagle_topk": 2, "eagle_depth": 3,
+                                           "chain_num_speculative_tokens": 2}
+    with open(os.path.join(ck, "config.json"), "w") as f:
+        json.dump(raw, f)
+    ref = _ids(LLM(path).generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY))
+    tree = LLM(path, speculative_config={"method": "eagle3", "model": ck})
+    spec = tree.engine.spec_config
+    assert (spec.num_speculative_tokens, spec.eagle_topk, spec.eagle_depth) == (5, 2, 3)
+    assert _ids(tree.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY)) == ref
+    chain = LLM(path, speculative_config={"method": "eagle3", "model": ck, "eagle_topk": 1}).engine.spec_config
+    assert (chain.num_speculative_tokens, chain.eagle_topk) == (2, 1)
+    mine = LLM(path, speculative_config={"method": "eagle3", "model": ck, "num_speculative_tokens": 4}).engine.spec_config
+    assert (mine.num_speculative_tokens, mine.eagle_topk) == (4, 1)

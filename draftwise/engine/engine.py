@@ -131,8 +131,8 @@ class LLMEngine:
             raise ValueError("quantization together with tensor parallelism is not supported")
         check_divisibility(ModelConfig.from_hf_dict(read_config_json(resolve_model_dir(config.model))), world)
         if not config.enforce_eager:
-            logger.info("tensor parallelism runs eager (no compiled graphs)")
-            config.enforce_eager = True
+            raise ValueError("tensor parallelism runs eager steps: compiled graphs (--compile / "
+                             "enforce_eager=False) are not supported with tensor_parallel_size > 1")
         torch.set_num_threads(threads_per_rank(world))
         return TPDriver(config, world)
 

@@ -9,77 +9,11 @@ import time
 
 from draftwise.models.loader import DEFAULT_MODEL
 
-DEFAULT_SPEC = "auto"       # the configuration measured fastest on the default model (entrypoints/llm.py)
-
-
-def _engine_args(p: argparse.ArgumentParser, spec_default: str | None = DEFAULT_SPEC) -> None:
-    p.add_argument("--model", default=DEFAULT_MODEL, help="HF directory, .gguf file or packaged model name")
-    p.add_argument("--speculative-config", default=spec_default,
-                   help="'auto' (default: the measured fastest, suffix decoding), 'none', or JSON, e.g. "
-                        "'{\"method\": \"suffix\"}'")
-    p.add_argument("--max-model-len", type=int, default=2048)
-    p.add_argument("--max-num-seqs", type=int, default=16)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--dtype", default="float32")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: all cores)")
-    # one-shot commands run eager by default: compiling every bucket takes a minute or more on a
-    # small CPU (minutes the first time), more than a short generation saves
-    p.add_argument("--compile", action="store_true",
-                   help="compiled graphs with warmup buckets (faster steps after a 1-5 min warmup; "
-                        "`serve` and `bench` compile by default)")
-    p.add_argument("--quantization", default="auto", choices=["auto", "none", "int8", "int4"],
-                   help="weights: auto (default: the model's own format - the packaged Q4_1 GGUF runs as "
-                        "int4), none (fp32), int8 / int4 (weight-only quantization)")
-    p.add_argument("--tensor-parallel-size", type=int, default=1,
-                   help="shard the target over this many processes (torch.distributed)")
-    p.add_argument("--compile-sizes", default=None,
-                   help="static token buckets for compiled graphs, e.g. 1,2,4,8 (default)")
-    add_kv_cache_args(p)
-
-
-def add_kv_cache_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--kv-cache-memory", default=None,
-                   help="memory for the KV cache, e.g. 512MiB or 2GiB (default: 256MiB, at most "
-                        "--max-num-seqs full sequences)")
-    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="KV-cache dtype; 16-bit halves its memory (default: auto, the model's dtype)")
-
-
-def _compile_sizes(s: str | None):
-    if not s:
-        return None
-    try:
-        return tuple(int(x) for x in s.split(","))
-    except ValueError:
-        raise ValueError(f"--compile-sizes must be comma-separated integers, got {s!r}") from None
-
-
-def _spec_from_arg(s: str | None):
-    if s is None or s.strip().lower() in ("", "none", "null"):
-        return None
-    if s.strip().lower() == "auto":
-        return "auto"
-    try:
-        spec = json.loads(s)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"--speculative-config is not valid JSON: {e}") from None
-    return spec
-
-
 def build_llm(args):
-    from draftwise import LLM
-    if args.threads:
-        import torch
-        torch.set_num_threads(args.threads)
-    return LLM(args.model, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-               block_size=args.block_size, dtype=args.dtype, device=args.device, seed=args.seed,
-               speculative_config=_spec_from_arg(args.speculative_config),
-               enforce_eager=not args.compile,
-               compile_sizes=_compile_sizes(args.compile_sizes), quantization=args.quantization,
-               tensor_parallel_size=args.tensor_parallel_size, kv_cache_memory=args.kv_cache_memory,
-               kv_cache_dtype=args.kv_cache_dtype)
+    """The LLM for a command's parsed flags (generate, chat and serve alike)."""
+    from draftwise.engine_args import EngineArgs
+    from draftwise.entrypoints.llm import LLM
+    return LLM.from_engine_args(EngineArgs.from_cli_args(args))
 
 
 def _sampling(args):
@@ -163,7 +97,7 @@ def cmd_chat(args) -> int:
 
 def cmd_serve(args) -> int:
     from draftwise.entrypoints.openai.api_server import run_server
-    return run_server(args) or 0
+    return run_server(args, build_llm(args)) or 0
 
 
 def cmd_bench(args) -> int:
@@ -196,6 +130,7 @@ def cmd_train(args) -> int:
 
 
 def make_parser() -> argparse.ArgumentParser:
+    from draftwise.engine_args import EngineArgs
     p = argparse.ArgumentParser(prog="draftwise", description="Speculative-decoding inference engine")
     p.add_argument("--log-level", default="WARNING")
     sub = p.add_subparsers(dest="command", required=True)
@@ -203,12 +138,12 @@ def make_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="generate text for one or more prompts (chat template applied)")
     g.add_argument("prompt", nargs="*")
     g.add_argument("--raw", action="store_true", help="do not apply the chat template")
-    _engine_args(g)
+    EngineArgs.add_cli_args(g)
     _sampling_args(g)
     g.set_defaults(func=cmd_generate)
 
     c = sub.add_parser("chat", help="interactive streaming chat")
-    _engine_args(c)
+    EngineArgs.add_cli_args(c)
     _sampling_args(c)
     c.set_defaults(func=cmd_chat)
 

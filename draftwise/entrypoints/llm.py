@@ -3,68 +3,33 @@ from __future__ import annotations
 
 from typing import Iterator
 
-from draftwise.config import EngineConfig, SpeculativeConfig, parse_bytes
 from draftwise.engine.engine import LLMEngine
+from draftwise.engine_args import EngineArgs
 from draftwise.models.loader import DEFAULT_MODEL
 from draftwise.outputs import RequestOutput
 from draftwise.sampling_params import SamplingParams
 
-# The default ("auto") is the configuration that measured fastest on the default model
-# (`draftwise bench`, MT-bench and the code-edits workload, README "Choosing the default"): suffix
-# decoding, chain drafts of variable length (1.30x and 1.35x over plain decoding; a rerun 1.07x and
-# 1.37x). The shipped EAGLE-3 head with suffix beside it and the adaptive policy measured 1.22x and
-# 0.93x: its drafting step costs more on this CPU than its acceptance (1.35) saves, so a model
-# drafter is opt-in until one measures faster. The adaptive policy is not on by default either: it
-# sizes one draft length for every step, which fits model drafters but not suffix decoding's
-# variable-length drafts (suffix + adaptive measured 1.03x and 0.92x). Seeded sampled requests are
-# decoded without drafts, so seeds stay reproducible across batches.
-DEFAULT_TRAINING_FREE = {"method": "suffix", "draft_seeded_sampling": False}
-
-
-def default_speculative_config(model: str) -> dict:
-    """The "auto" speculative configuration for `model` (any model: suffix decoding needs no
-    drafter weights)."""
-    return dict(DEFAULT_TRAINING_FREE)
-
-
-def resolve_quantization(model: str, quantization: str | None) -> str | None:
-    """"auto" (the default): the model's own weight format - a Q4_1 GGUF (the packaged SmolLM2) runs
-    as int4, exactly its blocks; anything else in its checkpoint dtype. "none" / None: the checkpoint
-    dtype (a GGUF dequantized to fp32). "int8" / "int4": weight-only quantization."""
-    if quantization is None or str(quantization).lower() in ("none", "fp32", "float32"):
-        return None
-    if str(quantization).lower() == "auto":
-        from draftwise.models.loader import native_quantization
-        return native_quantization(model)
-    return quantization
-
-
 class LLM:
-    """`speculative_config`: "auto" (default: see DEFAULT_TRAINING_FREE), None (plain decoding), or a
-    dict / JSON string (SpeculativeConfig's keys). `quantization`: "auto" (default: the model's own
-    weight format, see `resolve_quantization`), None (full precision), "int8" or "int4"."""
-    def __init__(self, model: str = DEFAULT_MODEL, *, max_model_len: int = 2048, max_num_seqs: int = 16,
-                 max_num_batched_tokens: int | None = None, block_size: int = 16,
-                 num_kv_blocks: int | None = None, dtype: str = "float32", device: str = "cpu",
-                 seed: int = 0, speculative_config="auto", enforce_eager: bool | None = None,
-                 compile_sizes: tuple[int, ...] | None = None, quantization: str | None = "auto",
-                 enable_prefix_caching: bool = True, tensor_parallel_size: int = 1,
-                 async_scheduling: bool = False, kv_cache_memory: int | str | None = None,
-                 kv_cache_dtype: str = "auto"):
-        if isinstance(speculative_config, str) and speculative_config.strip().lower() == "auto":
-            speculative_config = default_speculative_config(model)
-        spec = SpeculativeConfig.from_any(speculative_config)
-        quantization = resolve_quantization(model, quantization)
-        cfg = EngineConfig(model=model, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-                           max_num_batched_tokens=max_num_batched_tokens or max(max_model_len, 512),
-                           block_size=block_size, num_kv_blocks=num_kv_blocks, dtype=dtype,
-                           device=device, seed=seed, speculative_config=spec,
-                           enforce_eager=enforce_eager, compile_sizes=compile_sizes,
-                           quantization=quantization, enable_prefix_caching=enable_prefix_caching,
-                           tensor_parallel_size=tensor_parallel_size, async_scheduling=async_scheduling,
-                           kv_cache_memory=None if kv_cache_memory is None else parse_bytes(kv_cache_memory),
-                           kv_cache_dtype=kv_cache_dtype)
-        self.engine = LLMEngine(cfg)
+    """`LLM(model, **options)`: the options are EngineArgs' fields (engine_args.py), e.g.
+    `speculative_config` - "auto" (default: suffix decoding, the measured fastest), None (plain
+    decoding), or a dict / JSON string (SpeculativeConfig's keys) -, `quantization` - "auto"
+    (default: the model's own weight format), None, "int8" or "int4" -, `enforce_eager` (default
+    True; False compiles the step's graphs), `max_model_len`, `max_num_seqs`, `threads`."""
+
+    def __init__(self, model: str = DEFAULT_MODEL, **options):
+        self._start(EngineArgs(model=model, **options))
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> "LLM":
+        llm = cls.__new__(cls)
+        llm._start(args)
+        return llm
+
+    def _start(self, args: EngineArgs) -> None:
+        if args.threads:
+            import torch
+            torch.set_num_threads(args.threads)
+        self.engine = LLMEngine(args.create_engine_config())
 
     @property
     def tokenizer(self):

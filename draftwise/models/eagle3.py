@@ -74,11 +74,20 @@ def eagle3_aux_layer_ids(cfg: dict) -> tuple[int, ...] | None:
     return tuple(int(i) for i in ids) if ids else None
 
 
+def eagle3_class(architectures: list[str]):
+    """The draft class for a checkpoint's architecture: `Eagle3` + the target's (vLLM's naming,
+    Eagle3LlamaForCausalLM) or SpecForge's `LlamaForCausalLMEagle3`."""
+    arch = (architectures or ["LlamaForCausalLM"])[0]
+    if arch in ("Eagle3LlamaForCausalLM", "LlamaForCausalLMEagle3", "LlamaForCausalLM"):
+        return Eagle3LlamaForCausalLM
+    raise ValueError(f"no EAGLE-3 draft class for architecture {arch!r} (known: Eagle3LlamaForCausalLM, "
+                     "LlamaForCausalLMEagle3)")
+
+
 def load_eagle3_checkpoint(path: str, target_cfg: ModelConfig, target_embedding: nn.Embedding,
                            dtype: torch.dtype, device, max_position: int):
     """Build an Eagle3 draft model from a published-format directory. Returns (model, raw config)."""
     from draftwise.models.loader import iter_checkpoint_tensors, read_config_json
-    from draftwise.models.registry import eagle3_class
 
     if not path or not os.path.isdir(path):
         raise ValueError(f"EAGLE-3 draft checkpoint {path!r} is not a directory")

@@ -11,6 +11,7 @@ from typing import Iterator
 import torch
 
 from draftwise.config import ModelConfig, cache_dir
+from draftwise.models.registry import target_class
 
 logger = logging.getLogger("draftwise")
 
@@ -113,7 +114,6 @@ def iter_checkpoint_tensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def load_target_model(model: str, dtype: torch.dtype, device: str, max_position: int | None = None):
-    from draftwise.models.registry import target_class
     path = resolve_model_dir(model)
     cfg = ModelConfig.from_hf_dict(read_config_json(path))
     cls = target_class(cfg)

@@ -37,6 +37,27 @@ def _training_free(method: str, spec: SpeculativeConfig, k: int):
                           spec.draft_tree)
 
 
+def apply_drafter_preset(spec: SpeculativeConfig, raw: dict, path: str) -> None:
+    """Fill what the user left out from the drafter's recommended shape (its config.json's
+    "draftwise_speculative_config": the tree preset measured fastest, and the chain length used when
+    the user asks for a chain - eagle_topk 1 or the adaptive policy)."""
+    preset = raw.get("draftwise_speculative_config") or {}
+    chain = spec.eagle_topk == 1 or spec.adaptive
+    if spec.num_speculative_tokens is None:
+        k = preset.get("chain_num_speculative_tokens") if chain else preset.get("num_speculative_tokens")
+        if k is None:
+            raise ValueError(f"the EAGLE-3 drafter in {path} recommends no draft length: pass "
+                             "speculative_config['num_speculative_tokens']")
+        spec.num_speculative_tokens = int(k)
+        if not chain and spec.eagle_topk is None:
+            spec.eagle_topk = int(preset.get("eagle_topk", 1))
+            if spec.eagle_depth is None and preset.get("eagle_depth") is not None:
+                spec.eagle_depth = int(preset["eagle_depth"])
+    if spec.eagle_topk is None:
+        spec.eagle_topk = 1
+    spec.validate_basic()
+
+
 def _model_proposer(spec: SpeculativeConfig, target_model, target_cfg: ModelConfig, cfg: EngineConfig,
                     model_path: str):
     path = spec.model
@@ -54,6 +75,7 @@ def _model_proposer(spec: SpeculativeConfig, target_model, target_cfg: ModelConf
         from draftwise.spec_decode.eagle import EagleProposer
         draft, raw = load_eagle3_checkpoint(path, target_cfg, target_model.embed_tokens, cfg.torch_dtype,
                                             cfg.device, max_pos)
+        apply_drafter_preset(spec, raw, path)
         return EagleProposer(draft, raw, target_model, spec.num_speculative_tokens, spec.eagle_topk,
                              spec.eagle_depth)
     if spec.method == "dflash":

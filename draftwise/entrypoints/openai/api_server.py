@@ -422,71 +422,26 @@ async def _wait_disconnect(request) -> None:
 # CLI
 # ---------------------------------------------------------------------------------------------------
 def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    from draftwise.models.loader import DEFAULT_MODEL
-    parser.add_argument("--model", default=DEFAULT_MODEL,
-                        help="HF directory, .gguf file or packaged model name (default: %(default)s)")
-    parser.add_argument("--speculative-config", default=None, metavar="JSON",
-                        help="JSON speculative config, or 'none' (default: the configuration measured fastest "
-                             "for the default model, see the README)")
-    parser.add_argument("--host", default="127.0.0.1", help="bind address (default: 127.0.0.1)")
-    parser.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
-    parser.add_argument("--api-key", default=None,
-                        help="require 'Authorization: Bearer KEY' (or set DRAFTWISE_API_KEY)")
-    parser.add_argument("--max-model-len", type=int, default=None, help="context length (default: 2048)")
-    parser.add_argument("--max-num-seqs", type=int, default=None, help="max requests per batch (default: 16)")
-    parser.add_argument("--served-model-name", default=None, help="model id clients send (default: --model)")
-    parser.add_argument("--seed", type=int, default=0, help="engine seed (default: 0)")
-    parser.add_argument("--dtype", default=None, help="float32 (default), bfloat16, float16")
-    parser.add_argument("--quantization", default="auto", choices=["auto", "none", "int8", "int4"],
-                        help="weights: auto (default: the model's own format - the packaged Q4_1 GGUF runs as "
-                             "int4), none (fp32), int8 / int4 (weight-only quantization)")
-    parser.add_argument("--no-prefix-caching", action="store_true", help="disable automatic prefix caching")
-    parser.add_argument("--tensor-parallel-size", type=int, default=1,
-                        help="shard the target over this many processes (torch.distributed; default 1)")
-    parser.add_argument("--enforce-eager", action="store_true",
-                        help="no compiled graphs (faster start-up, slower steps)")
-    parser.add_argument("--shutdown-timeout", type=float, default=30.0,
-                        help="seconds running requests get to finish on SIGTERM; new ones get 503 meanwhile "
-                             "(default: 30)")
-    parser.add_argument("--max-request-bytes", type=int, default=None,
-                        help="largest request body accepted, else 413 (default: room for a full context, "
-                             "at least 1 MiB)")
-    parser.add_argument("--max-num-queued-requests", type=int, default=64,
-                        help="requests that may wait beyond the running batch, else 429 with Retry-After; "
-                             "-1: no limit (default: 64)")
-    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    from draftwise.entrypoints.cli import add_kv_cache_args
-    add_kv_cache_args(parser)
+    """The engine's flags (EngineArgs) and the server's own."""
+    from draftwise.engine_args import EngineArgs
+    EngineArgs.add_cli_args(parser)
+    g = parser.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="bind address (default: 127.0.0.1)")
+    g.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
+    g.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' (or set DRAFTWISE_API_KEY)")
+    g.add_argument("--served-model-name", default=None, help="model id clients send (default: --model)")
+    g.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="seconds running requests get to finish on SIGTERM; new ones get 503 meanwhile "
+                        "(default: 30)")
+    g.add_argument("--max-request-bytes", type=int, default=None,
+                   help="largest request body accepted, else 413 (default: room for a full context, "
+                        "at least 1 MiB)")
+    g.add_argument("--max-num-queued-requests", type=int, default=64,
+                   help="requests that may wait beyond the running batch, else 429 with Retry-After; "
+                        "-1: no limit (default: 64)")
+    g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return parser
-
-
-def build_llm(args):
-    """The `LLM` for `args`: the default speculative configuration unless one is given."""
-    from draftwise.entrypoints.llm import LLM, default_speculative_config
-    kw = {"seed": args.seed}
-    if args.max_model_len is not None:
-        kw["max_model_len"] = args.max_model_len
-    if args.max_num_seqs is not None:
-        kw["max_num_seqs"] = args.max_num_seqs
-    if getattr(args, "dtype", None):
-        kw["dtype"] = args.dtype
-    if getattr(args, "enforce_eager", False):
-        kw["enforce_eager"] = True
-    kw["quantization"] = getattr(args, "quantization", "auto")
-    if getattr(args, "no_prefix_caching", False):
-        kw["enable_prefix_caching"] = False
-    if getattr(args, "tensor_parallel_size", 1) != 1:
-        kw["tensor_parallel_size"] = args.tensor_parallel_size
-    if getattr(args, "kv_cache_memory", None):
-        kw["kv_cache_memory"] = args.kv_cache_memory
-    if getattr(args, "kv_cache_dtype", "auto") != "auto":
-        kw["kv_cache_dtype"] = args.kv_cache_dtype
-    spec_arg = args.speculative_config
-    if spec_arg is not None and spec_arg.strip().lower() in ("none", "null", ""):
-        return LLM(args.model, speculative_config=None, **kw)
-    if spec_arg is not None:
-        return LLM(args.model, speculative_config=spec_arg, **kw)
-    return LLM(args.model, speculative_config=default_speculative_config(args.model), **kw)
 
 
 def drain(state: ServerState, timeout: float) -> None:
@@ -501,12 +456,16 @@ def drain(state: ServerState, timeout: float) -> None:
     time.sleep(0.1)                         # let the event loop write those events
 
 
-def run_server(args) -> None:
+def run_server(args, llm=None) -> None:
+    """Serve `llm` (built from `args`' engine flags when not given) until SIGTERM / SIGINT."""
     import uvicorn
     logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     api_key = args.api_key or os.environ.get("DRAFTWISE_API_KEY") or None
-    llm = build_llm(args)
+    if llm is None:
+        from draftwise.engine_args import EngineArgs
+        from draftwise.entrypoints.llm import LLM
+        llm = LLM.from_engine_args(EngineArgs.from_cli_args(args))
     name = args.served_model_name or args.model
     queued = None if args.max_num_queued_requests is not None and args.max_num_queued_requests < 0 \
         else args.max_num_queued_requests
