@@ -1,6 +1,7 @@
 """EAGLE tree drafting and verification: TokenTree, batched tree drafting, greedy / sampling tree
 verification, accepted-path KV compaction, and end-to-end equivalence with plain decoding."""
 import collections
+import functools
 import math
 import os
 import random
@@ -383,7 +384,7 @@ def test_tree_sampling_preserves_target_distribution(tmp_path, monkeypatch):
     assert spec.get_metrics()["spec_decode"]["num_accepted_tokens"] > N // 4
     for key in (lambda x: x[1], lambda x: x[:2], lambda x: x[1:]):
         assert _two_sample_chi2([key(x) for x in plain], [key(x) for x in tree]) > 1e-3
-    monkeypatch.setattr(T, "_RENORMALISE", False)
+    monkeypatch.setattr(T, "sample_tree_path", functools.partial(T.sample_tree_path, renormalise=False))
     broken = run(LLM(tgt, speculative_config=dict(TREE_SPEC, model=head), **kw), 10 ** 6)
     assert min(_two_sample_chi2([key(x) for x in plain], [key(x) for x in broken])
                for key in (lambda x: x[1], lambda x: x[:2], lambda x: x[1:])) < 1e-3

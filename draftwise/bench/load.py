@@ -1,6 +1,6 @@
 """A bounded load test against a running OpenAI-compatible server (`draftwise serve`).
 
-    python -m draftwise.bench.load --url http://127.0.0.1:8000 --num-requests 200 --concurrency 8
+    draftwise bench load --url http://127.0.0.1:8000 --num-requests 200 --concurrency 8
 
 Sends `num_requests` completions (or chat) requests with at most `concurrency` in flight and prints
 throughput (requests/s, output tokens/s) and latency percentiles (end-to-end, and time to first
@@ -12,12 +12,10 @@ resends the whole history with the model's own earlier answers, as a chat client
 token is reported for first turns and for follow-up turns apart: follow-ups are where automatic
 prefix caching saves the prefill of the history.
 """
-import argparse
 import asyncio
 import ipaddress
 import json
 import math
-import sys
 import time
 from urllib.parse import urlparse
 
@@ -190,56 +188,3 @@ def format_results(r: dict) -> str:
     for e in r.get("first_errors", []):
         lines.append(f"error: {e}")
     return "\n".join(lines)
-
-
-def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m draftwise.bench.load", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--url", default="http://127.0.0.1:8000")
-    ap.add_argument("--num-requests", type=int, default=200)
-    ap.add_argument("--concurrency", type=int, default=8)
-    ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--model", default=None, help="default: the first id of /v1/models")
-    ap.add_argument("--api-key", default=None)
-    ap.add_argument("--no-stream", action="store_true")
-    ap.add_argument("--chat", action="store_true")
-    ap.add_argument("--temperature", type=float, default=0.0)
-    ap.add_argument("--allow-remote", action="store_true")
-    ap.add_argument("--json", action="store_true", help="print the summary as JSON")
-    ap.add_argument("--turns", type=int, default=1, help="chat: user turns per session (multi-turn)")
-    ap.add_argument("--dataset", default=None, help="question.jsonl (MT-bench / Spec-Bench) for the sessions")
-    ap.add_argument("--bad-input", action="store_true",
-                    help="send the bad-input catalogue beside well-formed streams (draftwise/bench/soak.py)")
-    ap.add_argument("--soak", action="store_true",
-                    help="start a server (arguments after '--' go to `draftwise serve`) and report RSS fresh, "
-                         "after the load and after bad input, and its exit time on SIGTERM")
-    ap.add_argument("--server-log", default=None, help="--soak: file for the server's log")
-    argv = list(sys.argv[1:] if argv is None else argv)
-    serve_args = []
-    if "--" in argv:
-        i = argv.index("--")
-        argv, serve_args = argv[:i], argv[i + 1:]
-    a = ap.parse_args(argv)
-    if a.soak:
-        from draftwise.bench.soak import format_soak, run_soak
-        res = run_soak(serve_args, a.num_requests, a.concurrency, a.max_tokens, log_path=a.server_log)
-        print(json.dumps(res, indent=2) if a.json else format_soak(res))
-        return
-    if a.bad_input:
-        if not a.allow_remote and not _is_loopback(a.url):
-            raise SystemExit(f"{a.url} is not a loopback address (pass --allow-remote)")
-        from draftwise.bench.soak import format_bad_inputs, run_bad_inputs
-        res = run_bad_inputs(a.url, a.model)
-        print(json.dumps(res, indent=2) if a.json else format_bad_inputs(res))
-        return
-    prompts = None
-    if a.dataset:
-        from draftwise.bench.datasets import load_question_jsonl
-        prompts = load_question_jsonl(a.dataset)
-    res = run_load_test(a.url, a.num_requests, a.concurrency, a.max_tokens, prompts=prompts, model=a.model,
-                        api_key=a.api_key, stream=not a.no_stream, chat=a.chat, temperature=a.temperature,
-                        allow_remote=a.allow_remote, turns=a.turns)
-    print(json.dumps(res, indent=2) if a.json else format_results(res))
-
-
-if __name__ == "__main__":
-    main()

@@ -163,7 +163,7 @@ class LLMEngine:
                 from draftwise.config import cache_dir
                 from draftwise.models.gguf_convert import gguf_int4_source
                 source = gguf_int4_source(gguf, cache_dir())
-            self.quantization_counts = quantize_model(self.model, config.quantization, source)
+            quantize_model(self.model, config.quantization, source)
             if draft is not None:
                 quantize_model(draft, "int8")
             return

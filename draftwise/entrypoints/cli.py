@@ -174,7 +174,7 @@ def make_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:2] == ["bench", "load"]:            # the load / soak / bad-input tool has its own flags
-        from draftwise.bench.load import main as load_main
+        from draftwise.bench.load_cli import main as load_main
         load_main(argv[2:])
         return 0
     if argv[:2] == ["bench", "step-cost"]:

@@ -205,7 +205,7 @@ def _measure_int4_costs(layers: int = 12) -> dict:
     decode streams every weight from memory, so a kernel timed on one hot matrix would look faster
     than it runs), by kernel and row count, p10 of repeated passes."""
     import time
-    from draftwise.layers.quant import quantize_int4_groupwise
+    from draftwise.layers.quant_formats import quantize_int4_groupwise
     g = torch.Generator().manual_seed(0)
 
     def p10(fn, x_by_k, reps):
@@ -241,7 +241,7 @@ def _measure_int4_costs(layers: int = 12) -> dict:
             out[name][str(m)] = t
     del mats
     # int8 per channel (the LM head and drafter linears), on a slice of an LM head
-    from draftwise.layers.quant import quantize_int8_per_channel
+    from draftwise.layers.quant_formats import quantize_int8_per_channel
     q, scale = quantize_int8_per_channel(torch.randn(4096, 576, generator=g) * 0.05)
     sb = scale.to(torch.bfloat16)
     fns = {"int8_aten": lambda x: torch.ops.aten._weight_int8pack_mm(x, q, sb)}

@@ -87,16 +87,3 @@ def uniform_noise(n_rows: int, K: int, generators, device, counts=None) -> torch
         if n:
             u[i, :n].uniform_(generator=generators[i])
     return u
-
-
-def sample_from_probs(probs: torch.Tensor, generators) -> torch.Tensor:
-    """Exponential race (Gumbel-max): argmax(p / E), E ~ Exp(1): a sample from p (unnormalised ok)."""
-    q = exponential_noise(probs.shape[0], probs.shape[1], generators, probs.device)
-    return (probs / q).argmax(-1)
-
-
-def sample(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-    """One token per row."""
-    if meta.all_greedy:
-        return logits.argmax(-1)
-    return sample_from_probs(target_probs(logits, meta), meta.generators)

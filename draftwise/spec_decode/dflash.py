@@ -52,9 +52,7 @@ class DFlashProposer(Proposer):
         self.timings: dict[str, float] = {"inject": 0.0, "block": 0.0, "lm_head": 0.0}
         self.num_calls = 0
         self.num_blocks = 0
-        self.keep_logits = False            # tests: keep the last block logits [n, k, V] (exact head)
-        self.last_logits: torch.Tensor | None = None
-        self.draft_head = self._int8_head()
+        self.draft_head = self._int8_head()     # None: the target's own head
 
     def _int8_head(self):
         """An int8 copy of the target's LM head for the drafts' argmax (CPU): the block's k rows through
@@ -66,6 +64,10 @@ class DFlashProposer(Proposer):
         from draftwise.layers.quant import Int8Linear, quantize_int8_per_channel
         q, scale = quantize_int8_per_channel(w.detach())
         return Int8Linear(q, scale)
+
+    def block_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits of block rows [m, H] for the drafts' argmax."""
+        return self.draft_head(hidden) if self.draft_head is not None else self.target.compute_logits(hidden)
 
     def kv_layer_specs(self):
         c = self.model.config
@@ -120,12 +122,7 @@ class DFlashProposer(Proposer):
         self.timings["block"] += t2 - t1
         # 3. block positions 1..k through the target's LM head, greedy
         hd = h.view(n, B, -1)[:, 1:1 + k].reshape(n * k, -1)
-        if self.draft_head is not None and not self.keep_logits:
-            logits = self.draft_head(hd).view(n, k, -1)
-        else:
-            logits = self.target.compute_logits(hd).view(n, k, -1)
-        if self.keep_logits:
-            self.last_logits = logits.detach().float().clone()
+        logits = self.block_logits(hd).view(n, k, -1)
         drafts = logits.argmax(-1).tolist()
         self.timings["lm_head"] += time.perf_counter() - t2
         self.num_blocks += n

@@ -35,6 +35,14 @@ class Draft:
         toks = [int(t) for t in token_ids]
         return cls(toks, list(range(-1, len(toks) - 1)), source, probs)
 
+    @classmethod
+    def from_tree(cls, tree, source: str) -> "Draft":
+        """The draft of a TreeDraft built by tree drafting (spec_decode/tree.py), kept as its
+        verification plan; its scores are cumulative log-probabilities (path probability = exp)."""
+        probs = tree.scores[1:].exp().tolist() if tree.scores is not None else None
+        return cls([int(t) for t in tree.token_ids[1:]], [p - 1 for p in tree.parents[1:]], source, probs,
+                   plan=tree)
+
     def __len__(self) -> int:
         return len(self.token_ids)
 

@@ -95,10 +95,10 @@ class EagleProposer(Proposer):
         h = prenorm[last[sel]]
         logits = self.model.compute_logits(h)
         if self.topk > 1:
-            from draftwise.spec_decode.tree import draft_from_tree, draft_trees
+            from draftwise.spec_decode.tree import draft_trees
             trees = draft_trees(self, logits, h, inp, sel, kv_cache, block_size, num_spec_tokens)
             for j, i in enumerate(want):
-                out[i] = draft_from_tree(trees[j], self.method)
+                out[i] = Draft.from_tree(trees[j], self.method)
             return out
         tok = self.model.draft_to_target(logits.argmax(-1))
         drafts = [tok]

@@ -31,21 +31,9 @@ class SpecDecodingStats:
     def acceptance_rate(self) -> float:
         return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
 
-    def per_position_rate(self) -> list[float]:
-        return [a / self.num_drafts for a in self.accepted_per_position] if self.num_drafts else []
-
     def as_dict(self) -> dict:
         return {"num_drafts": self.num_drafts, "num_draft_tokens": self.num_draft_tokens,
                 "num_accepted_tokens": self.num_accepted_tokens,
                 "accepted_per_position": list(self.accepted_per_position),
                 "mean_acceptance_length": round(self.mean_acceptance_length, 4),
                 "acceptance_rate": round(self.acceptance_rate, 4)}
-
-    def merge(self, other: "SpecDecodingStats") -> None:
-        self.num_drafts += other.num_drafts
-        self.num_draft_tokens += other.num_draft_tokens
-        self.num_accepted_tokens += other.num_accepted_tokens
-        n = max(len(self.accepted_per_position), len(other.accepted_per_position))
-        a = self.accepted_per_position + [0] * (n - len(self.accepted_per_position))
-        b = other.accepted_per_position + [0] * (n - len(other.accepted_per_position))
-        self.accepted_per_position = [x + y for x, y in zip(a, b)]

@@ -28,7 +28,6 @@ import torch
 
 from draftwise.layers.attention import TREE, AttentionMetadata, slots_for_positions
 from draftwise.sample.sampler import SamplingMetadata, target_probs
-from draftwise.spec_decode.draft import Draft
 
 
 @dataclass
@@ -83,14 +82,6 @@ def tree_draft_from_parents(root_token: int, tokens: list[int], parents: list[in
         scores[0] = 0.0
     return TreeDraft([int(root_token)] + [int(t) for t in tokens], torch.tensor(depths), mask, par, paths,
                      scores)
-
-
-def draft_from_tree(tree: TreeDraft, source: str) -> Draft:
-    """The engine's Draft for a tree built by tree drafting, keeping the tree as its verification
-    plan (its scores are cumulative log-probabilities: the path probabilities are their exp)."""
-    probs = tree.scores[1:].exp().tolist() if tree.scores is not None else None
-    return Draft([int(t) for t in tree.token_ids[1:]], [p - 1 for p in tree.parents[1:]], source, probs,
-                 plan=tree)
 
 
 class TokenTree:
@@ -314,9 +305,6 @@ def sample_tree_path(probs: torch.Tensor, tokens: list[int], children: list[list
         cur = accepted
 
 
-_RENORMALISE = True   # tests flip this to check that a broken verifier is detected
-
-
 def verify_trees(logits: torch.Tensor, scheds, sampling: SamplingMetadata, device):
     """Verify every scheduled request's tree (or chain) in one batch.
 
@@ -355,8 +343,7 @@ def verify_trees(logits: torch.Tensor, scheds, sampling: SamplingMetadata, devic
             path, last = greedy_tree_path(argmax[offs[r]:offs[r + 1]], tokens, children)
         else:
             pr = probs[prow[r]:prow[r] + counts[r]]
-            path, last = sample_tree_path(pr, tokens, children, sampling.generators[r],
-                                          renormalise=_RENORMALISE)
+            path, last = sample_tree_path(pr, tokens, children, sampling.generators[r])
         root_row = s.num_prefix_tokens - 1
         new_tokens.append([tokens[c] for c in path] + [last])
         accepted_rows.append([root_row] + [root_row + c for c in path])

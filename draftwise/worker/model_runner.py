@@ -330,7 +330,7 @@ class ModelRunner:
     # --- drafting --------------------------------------------------------------------------------
     def _drafts_allowed(self, params) -> bool:
         spec = self.config.speculative_config
-        return spec is None or spec.draft_seeded_sampling or params.seed is None or params.greedy
+        return spec.draft_seeded_sampling or params.seed is None or params.greedy
 
     @torch.inference_mode()
     def propose(self, step: ModelRunnerOutput, num_spec_tokens: int) -> list[Draft | None]:
