@@ -1,8 +1,14 @@
-"""Test helpers: published-format draft checkpoints with random weights."""
+"""Test helpers: tiny random Hugging Face models (the reference implementation), published-format
+draft checkpoints with random weights, the repository root."""
 import json
 import os
+import socket
+import threading
+import time
 
 import torch
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def write_eagle3_checkpoint(path, target_cfg: dict, draft_vocab=None, fmt="safetensors", seed=0,
@@ -143,3 +149,68 @@ class TargetFeaturizer:
         out = self.target(torch.tensor(ids, device=dev), pos, meta, self.cache,
                           logits_indices=pos if rows is None else rows.to(dev))
         return out.aux_hidden_states.clone(), out.logits.clone()
+
+
+def make_tiny_hf(path, arch="llama", vocab=256, hidden=64, layers=4, heads=4, kv_heads=2, seed=0,
+                 rope_scaling=None, tie=False):
+    """A tiny random Hugging Face model saved to `path` (the reference implementation)."""
+    import transformers
+    torch.manual_seed(seed)
+    common = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 2,
+                  num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                  max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=tie,
+                  bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    if arch == "llama":
+        extra = {"rope_scaling": rope_scaling} if rope_scaling else {}
+        cfg = transformers.LlamaConfig(head_dim=hidden // heads, rope_theta=10000.0, **extra, **common)
+        model = transformers.LlamaForCausalLM(cfg)
+    else:
+        cfg = transformers.Qwen3Config(head_dim=hidden // heads, rope_theta=10000.0, **common)
+        model = transformers.Qwen3ForCausalLM(cfg)
+    # random init has tiny std: widen it so logits are not near-ties
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.08)
+    model.save_pretrained(path)
+    return model.eval()
+
+
+def hf_greedy(model, prompt_ids, max_new):
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new, do_sample=False,
+                             eos_token_id=None, pad_token_id=0,
+                             attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long))
+    return out[0, len(prompt_ids):].tolist()
+
+
+class ServerThread:
+    """uvicorn serving `app` from a background thread on a free 127.0.0.1 port."""
+
+    def __init__(self, app):
+        import uvicorn
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=10))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        deadline = time.time() + 30
+        while not self.server.started:
+            if time.time() > deadline or not self.thread.is_alive():
+                raise RuntimeError("server did not start")
+            time.sleep(0.02)
+        return self
+
+    def stop(self):
+        self.server.should_exit = True
+        self.thread.join(30)
+        assert not self.thread.is_alive()
+
+    def __exit__(self, *exc):
+        if self.thread.is_alive():
+            self.stop()

@@ -10,7 +10,7 @@ and itself bidirectionally, never other blocks (one dense attention mask per seq
 cache). Block position k (1..B-1) is trained with hard-label cross-entropy through the frozen
 target LM head against the target's greedy token at position a+k (the argmax of its logits at
 a+k-1), weighted exp(-(k-1)/gamma). The block forward is the inference block pass with a dense
-mask, so its logits equal the engine's (tests/test_dflash.py checks this).
+mask, so its logits equal the engine's (tests/spec_decode/test_dflash.py checks this).
 """
 from __future__ import annotations
 

@@ -3,7 +3,7 @@ and without speculation (chain, tree, training-free drafters), and equal to tran
 import pytest
 import torch
 
-from helpers import load_cfg, write_eagle3_checkpoint
+from tests.helpers import load_cfg, write_eagle3_checkpoint
 from draftwise import LLM, SamplingParams
 
 SP = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=3)

@@ -1,7 +1,5 @@
 """Compiled graphs (worker/compiled_graphs.py): bucketing helpers, and compiled greedy output ==
 eager greedy output on a tiny model, with speculation, without compiling while serving."""
-import pytest
-import torch
 
 from draftwise import LLM, SamplingParams
 from draftwise.worker.compiled_graphs import DYNAMIC_PAD, bucket_for
@@ -43,7 +41,7 @@ def test_compiled_greedy_equals_eager(tiny_llama, tmp_path, monkeypatch):
 
 def test_compiled_eagle3_tree_and_chain_are_lossless(tiny_llama, tmp_path, monkeypatch):
     """Drafter graphs (EAGLE-3 layer and head) compiled too; chain and tree both equal eager AR."""
-    from helpers import load_cfg, write_eagle3_checkpoint
+    from tests.helpers import load_cfg, write_eagle3_checkpoint
     monkeypatch.setenv("DRAFTWISE_CACHE", str(tmp_path / "cache"))
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
     path, _ = tiny_llama

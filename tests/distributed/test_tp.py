@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from conftest import make_tiny_hf
-from helpers import load_cfg, write_dflash_checkpoint, write_eagle3_checkpoint
+from tests.helpers import make_tiny_hf
+from tests.helpers import load_cfg, write_dflash_checkpoint, write_eagle3_checkpoint
 from draftwise import LLM, SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
@@ -81,8 +81,8 @@ def test_a_crashed_worker_fails_requests_with_a_clear_error(targets):
 
 def test_serve_with_tensor_parallelism_answers_the_openai_client(targets, tmp_path):
     openai = pytest.importorskip("openai")
-    from test_server import ServerThread
-    from tokenizer_util import add_tiny_tokenizer
+    from tests.helpers import ServerThread
+    from tests.tokenizer_util import add_tiny_tokenizer
     from draftwise.entrypoints.openai.api_server import build_app
     path = str(tmp_path / "m")
     make_tiny_hf(path, "llama", seed=3)

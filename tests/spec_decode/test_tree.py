@@ -17,8 +17,8 @@ from draftwise.layers.attention import CAUSAL, AttentionMetadata, slots_for_posi
 from draftwise.sample.sampler import SamplingMetadata
 from draftwise.spec_decode.tree import TokenTree, TreeDraft, compact_tree_kv, sample_tree_path, verify_trees
 
-from conftest import make_tiny_hf
-from helpers import load_cfg, write_eagle3_checkpoint
+from tests.helpers import make_tiny_hf
+from tests.helpers import load_cfg, write_eagle3_checkpoint
 
 torch.set_num_threads(1)
 

@@ -4,7 +4,7 @@ import torch
 
 from draftwise import LLM, SamplingParams
 from draftwise.layers.attention import AttentionMetadata, CAUSAL, NONCAUSAL, TREE
-from draftwise.sample.sampler import SamplingMetadata, apply_top_k_top_p
+from draftwise.sample.sampler import apply_top_k_top_p
 
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
 PROMPTS = [[5, 6, 7, 8], [3] * 17, list(range(30, 61)), [9, 9], list(range(200, 211)), [1, 2, 3],

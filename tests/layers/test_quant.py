@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import load_cfg, write_eagle3_checkpoint
+from tests.helpers import load_cfg, write_eagle3_checkpoint
 from draftwise import LLM, SamplingParams
 from draftwise.layers.quant import (MAX_KERNEL_ROWS, Int4Linear, Int8Linear, quantize_int4_groupwise,
                                     quantize_int8_per_channel)

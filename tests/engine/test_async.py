@@ -3,7 +3,7 @@ and step n's outputs are emitted; greedy output equals synchronous decoding (pla
 requests finishing mid-flight release their blocks afterwards."""
 import pytest
 
-from helpers import load_cfg, write_eagle3_checkpoint
+from tests.helpers import load_cfg, write_eagle3_checkpoint
 from draftwise import LLM, SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)

@@ -5,8 +5,8 @@ from collections import Counter
 
 import torch
 
-from conftest import make_tiny_hf
-from helpers import load_cfg
+from tests.helpers import make_tiny_hf
+from tests.helpers import load_cfg
 from draftwise import LLM, SamplingParams
 from draftwise.training.data import iter_sharegpt, render, to_messages
 from draftwise.training.vocab import build_draft_vocab
@@ -60,7 +60,7 @@ def test_ttt_unroll_matches_inference_recurrence(tiny_llama):
     from draftwise.engine.kv_cache import KVCache
     from draftwise.layers.attention import AttentionMetadata
     from draftwise.models.loader import load_target_model
-    from helpers import TargetFeaturizer
+    from tests.helpers import TargetFeaturizer
     from draftwise.training.eagle3 import _attn_ttt, build_draft
     path, _ = tiny_llama
     target, cfg, _ = load_target_model(path, torch.float32, "cpu")
@@ -172,7 +172,7 @@ def test_shard_round_trip_and_column_selection(tmp_path):
 
 def test_gen_data_records_the_targets_hidden_states(tmp_path):
     from draftwise.models.loader import load_target_model
-    from helpers import TargetFeaturizer
+    from tests.helpers import TargetFeaturizer
     from draftwise.training.shards import iter_shard_sequences
     tdir = _tiny_target_with_tokenizer(str(tmp_path / "t"))
     prompts = _prompts_jsonl(str(tmp_path / "p.jsonl"), 7)

@@ -404,15 +404,12 @@ def test_save_round_trip(tiny_llama, llama_ckpt, tmp_path):
 
 
 def _tokenizer(model_dir):
-    try:
-        from tests.tokenizer_util import add_tiny_tokenizer
-    except ImportError:               # pragma: no cover - the shared helper is expected
-        pytest.skip("tests/tokenizer_util.py is missing")
+    from tests.tokenizer_util import add_tiny_tokenizer
     return add_tiny_tokenizer(model_dir)
 
 
 def test_trainer_runs_resumes_and_exports(tmp_path):
-    from conftest import make_tiny_hf
+    from tests.helpers import make_tiny_hf
     from draftwise.training.dflash import DFlashTrainConfig, train_dflash
     tdir = str(tmp_path / "target")
     make_tiny_hf(tdir, "llama", seed=4)

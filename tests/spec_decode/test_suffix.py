@@ -3,7 +3,7 @@ drafting: hand-worked drafts, greedy losslessness on a tiny target, per-source m
 import numpy as np
 import pytest
 
-from helpers import load_cfg, write_eagle3_checkpoint
+from tests.helpers import load_cfg, write_eagle3_checkpoint
 from draftwise import LLM, SamplingParams
 from draftwise.spec_decode.suffix import SuffixCache, build_draft, match_lengths
 

@@ -2,7 +2,7 @@
 drafters), reference counts return to zero, eviction under a small pool, hashing is chained."""
 import pytest
 
-from helpers import load_cfg, write_eagle3_checkpoint
+from tests.helpers import load_cfg, write_eagle3_checkpoint
 from draftwise import LLM, SamplingParams
 from draftwise.engine.kv_cache import BlockAllocator, block_hashes
 
@@ -59,7 +59,7 @@ def test_prefix_hits_give_identical_greedy_output(tiny_llama, tmp_path, spec):
         tree = {"eagle_topk": 2, "eagle_depth": 2} if spec == "tree" else {}
         spec = {"method": "eagle3", "model": ck, "num_speculative_tokens": 3, **tree}
     elif spec == "dflash":
-        from helpers import write_dflash_checkpoint
+        from tests.helpers import write_dflash_checkpoint
         spec = {"method": "dflash", "model": write_dflash_checkpoint(str(tmp_path / "d"), load_cfg(path))}
     ref = _run_one_by_one(LLM(path, block_size=4, max_model_len=128, enable_prefix_caching=False), TURNS)
     llm = LLM(path, block_size=4, max_model_len=128, speculative_config=spec)

@@ -7,8 +7,9 @@ import shlex
 import pytest
 
 from draftwise.entrypoints.cli import main
+from tests.helpers import REPO_ROOT
 
-README = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
+README = os.path.join(REPO_ROOT, "README.md")
 
 
 def _commands() -> list[str]:

@@ -3,13 +3,10 @@ official `openai` client: outputs equal the offline `LLM` ones, concurrency, 400
 API keys, graceful shutdown and /metrics."""
 import json
 import re
-import socket
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-import torch
 
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
@@ -17,8 +14,7 @@ pytest.importorskip("prometheus_client")
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
-from conftest import make_tiny_hf  # noqa: E402
-from tokenizer_util import add_tiny_tokenizer  # noqa: E402
+from tests.helpers import ServerThread  # noqa: E402
 
 from draftwise import LLM, SamplingParams  # noqa: E402
 from draftwise.entrypoints.openai.api_server import build_app  # noqa: E402
@@ -31,49 +27,6 @@ ENGINE_KW = dict(max_model_len=MAX_LEN, max_num_seqs=8, block_size=16, seed=0)
 PROMPTS = ["Hello world, how are you today?", "The quick brown fox", "Write a short poem about the sea.",
            "What is the capital of France?", "Numbers like 42 and 2024", "Once upon a time there was",
            "Continuous batching lets new requests join", "A paged key value cache stores"]
-
-
-class ServerThread:
-    """uvicorn serving `app` from a background thread on a free 127.0.0.1 port."""
-
-    def __init__(self, app):
-        import uvicorn
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind(("127.0.0.1", 0))
-        self.port = self.sock.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=10))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
-
-    def __enter__(self):
-        self.thread.start()
-        deadline = time.time() + 30
-        while not self.server.started:
-            if time.time() > deadline or not self.thread.is_alive():
-                raise RuntimeError("server did not start")
-            time.sleep(0.02)
-        return self
-
-    def stop(self):
-        self.server.should_exit = True
-        self.thread.join(30)
-        assert not self.thread.is_alive()
-
-    def __exit__(self, *exc):
-        if self.thread.is_alive():
-            self.stop()
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    path = str(tmp_path_factory.mktemp("tiny_serve"))
-    make_tiny_hf(path, "llama")
-    add_tiny_tokenizer(path)
-    yield path
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

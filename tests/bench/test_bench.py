@@ -2,7 +2,7 @@
 import json
 import os
 
-from conftest import make_tiny_hf
+from tests.helpers import make_tiny_hf
 from draftwise.entrypoints.cli import main
 
 

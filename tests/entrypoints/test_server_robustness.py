@@ -15,7 +15,8 @@ import pytest
 
 httpx = pytest.importorskip("httpx")
 
-from test_server import ENGINE_KW, NAME, ServerThread, model_dir  # noqa: E402,F401
+from tests.entrypoints.test_server import ENGINE_KW, NAME  # noqa: E402
+from tests.helpers import ServerThread  # noqa: E402
 from draftwise import LLM  # noqa: E402
 from draftwise.entrypoints.openai.api_server import build_app, drain  # noqa: E402
 
@@ -178,7 +179,7 @@ def test_idle_server_exits_promptly_on_sigterm(model_dir, tmp_path):  # noqa: F8
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
     sock.close()
-    env = {**os.environ, "DRAFTWISE_ENFORCE_EAGER": "1"}
+    env = dict(os.environ)
     proc = subprocess.Popen([sys.executable, "-m", "draftwise.entrypoints.cli", "serve", "--model", model_dir,
                              "--port", str(port), "--speculative-config", "none", "--max-model-len", "256",
                              "--enforce-eager", "--log-level", "warning"],

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from conftest import hf_greedy, make_tiny_hf
+from tests.helpers import hf_greedy, make_tiny_hf
 from draftwise import LLM, SamplingParams
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [3] * 20, list(range(30, 70)), [7], list(range(100, 137))]

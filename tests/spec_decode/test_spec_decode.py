@@ -4,8 +4,8 @@ import math
 import pytest
 import torch
 
-from conftest import make_tiny_hf
-from helpers import load_cfg, write_eagle3_checkpoint
+from tests.helpers import make_tiny_hf
+from tests.helpers import load_cfg, write_eagle3_checkpoint
 from draftwise import LLM, SamplingParams
 from draftwise.sample import rejection_sampler as rs
 from draftwise.sample.sampler import SamplingMetadata
@@ -201,7 +201,7 @@ def small_vocab(tmp_path_factory):
     with torch.no_grad():
         pass
     ck = write_eagle3_checkpoint(str(tmp_path_factory.mktemp("eagle_v8")), load_cfg(path), scale=0.3, seed=2)
-    from helpers import write_dflash_checkpoint
+    from tests.helpers import write_dflash_checkpoint
     dck = write_dflash_checkpoint(str(tmp_path_factory.mktemp("dflash_v8")), load_cfg(path), block_size=3,
                                   target_layer_ids=(0,), mask_token_id=7, scale=0.3, seed=3)
     return path, ck, dck

@@ -37,7 +37,7 @@ def test_engine_stream_text_is_linear_and_never_repeats(tiny_llama, tmp_path):
     import shutil
 
     from draftwise import LLM, SamplingParams
-    from tokenizer_util import add_tiny_tokenizer
+    from tests.tokenizer_util import add_tiny_tokenizer
     path, _ = tiny_llama
     d = str(tmp_path / "m")
     shutil.copytree(path, d)

@@ -6,8 +6,8 @@ import pytest
 schemathesis = pytest.importorskip("schemathesis")
 from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
 
-from conftest import make_tiny_hf  # noqa: E402
-from tokenizer_util import add_tiny_tokenizer  # noqa: E402
+from tests.helpers import make_tiny_hf  # noqa: E402
+from tests.tokenizer_util import add_tiny_tokenizer  # noqa: E402
 from draftwise import LLM  # noqa: E402
 from draftwise.entrypoints.openai.api_server import build_app  # noqa: E402
 
