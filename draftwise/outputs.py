@@ -22,6 +22,15 @@ class TokenLogprob:
     top_logprobs: list[tuple[int, float]] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class TokenTrace:
+    """Where one output token came from (SamplingParams.spec_trace)."""
+    token_id: int
+    text: str             # the text this token completed ("" while a multi-byte character is pending)
+    source: str | None    # the drafter whose accepted draft it was; None: the target's own token
+    step: int             # the request's decoding step that produced it (0: its first token)
+
+
 @dataclass
 class CompletionOutput:
     index: int
@@ -30,6 +39,9 @@ class CompletionOutput:
     finish_reason: str | None = None   # "stop" | "length" | "abort" | "error" | None while running
     logprobs: list[TokenLogprob] | None = None   # one per token when SamplingParams.logprobs is set
     error: str | None = None           # finish_reason "error": what failed (other requests are unaffected)
+    # one entry per output token when SamplingParams.spec_trace is set; the texts concatenate to
+    # `text` (a finished request's trace is cut where a stop string cut the text)
+    spec_trace: list[TokenTrace] | None = None
 
 
 @dataclass

@@ -20,6 +20,7 @@ class SamplingParams:
     ignore_eos: bool = False
     speculate: bool = True     # False: this request is decoded without drafts (per-request opt-out)
     logprobs: int | None = None  # return each token's log-probability and this many top alternatives
+    spec_trace: bool = False   # record each output token's text, drafter source and step (outputs.TokenTrace)
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -45,6 +46,8 @@ class SamplingParams:
             raise ValueError(f"logprobs must be an integer in [0, 20] or None, got {self.logprobs!r}")
         if not isinstance(self.speculate, bool):
             raise ValueError(f"speculate must be true or false, got {self.speculate!r}")
+        if not isinstance(self.spec_trace, bool):
+            raise ValueError(f"spec_trace must be true or false, got {self.spec_trace!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError("stop must be a string or a list of non-empty strings")
         if not isinstance(self.stop_token_ids, list) or any(

@@ -15,7 +15,7 @@ from draftwise.engine.errors import EngineFault
 from draftwise.engine.request import Request
 from draftwise.engine.scheduler import RequestUpdate, Scheduler, SchedulerOutput
 from draftwise.models.loader import load_target_model, load_tokenizer
-from draftwise.outputs import CompletionOutput, RequestOutput
+from draftwise.outputs import CompletionOutput, RequestOutput, TokenTrace
 from draftwise.sampling_params import SamplingParams
 from draftwise.spec_decode.metrics import SpecDecodingStats
 from draftwise.worker.model_runner import ModelRunner
@@ -385,7 +385,7 @@ class LLMEngine:
         now = time.time()
         for u in updates:
             req = u.request
-            new_text = self._detokenize(req, u.new_token_ids)
+            new_text = self._detokenize(req, u)
             if req.is_finished:
                 req.metrics.finished_time = now
             outputs.append(self._make_output(req, u.new_token_ids, new_text, u.new_logprobs))
@@ -397,16 +397,24 @@ class LLMEngine:
         self.runner.timer.add("bookkeeping", time.perf_counter() - t0)
         return outputs
 
-    def _detokenize(self, req: Request, appended: list[int]) -> str:
+    def _detokenize(self, req: Request, u: RequestUpdate) -> str:
         """Append the text of the step's new tokens (incrementally: linear in the output) and apply
-        stop strings; returns the text added by this step."""
+        stop strings; returns the text added by this step. Traced requests get a TokenTrace per
+        token (the step's first `num_accepted` tokens are the accepted drafts)."""
+        appended = u.new_token_ids
         if self.tokenizer is None:
             return ""
         if req.detokenizer is None:
             from draftwise.engine.detokenizer import IncrementalDetokenizer
             req.detokenizer = IncrementalDetokenizer(self.tokenizer)
         old = req.text
-        text = old + req.detokenizer.add(appended)
+        if req.spec_trace is None:
+            text = old + req.detokenizer.add(appended)
+        else:
+            pieces = [req.detokenizer.add([t]) for t in appended]
+            req.spec_trace.extend(TokenTrace(t, p, u.draft_source if j < u.num_accepted else None, req.num_steps - 1)
+                                  for j, (t, p) in enumerate(zip(appended, pieces)))
+            text = old + "".join(pieces)
         if req.params.stop and len(text) > len(old):
             search_from = max(0, len(old) - max(len(s) for s in req.params.stop) + 1)
             hits = [i for i in (text.find(s, search_from) for s in req.params.stop) if i >= 0]
@@ -417,11 +425,14 @@ class LLMEngine:
                 else:
                     self.scheduler.finish(req, "stop")
         req.text = text
+        if req.spec_trace is not None and req.is_finished:
+            req.spec_trace = trace_cut_to(req.spec_trace, len(text))
         return text[len(old):]
 
     def _make_output(self, req: Request, new_ids: list[int], new_text: str, new_lps=None) -> RequestOutput:
         lps = list(req.logprobs) if req.params.logprobs is not None else None
-        comp = CompletionOutput(0, req.text, list(req.output_token_ids), req.finish_reason, lps, req.error)
+        comp = CompletionOutput(0, req.text, list(req.output_token_ids), req.finish_reason, lps, req.error,
+                                req.spec_trace)
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [comp], req.is_finished,
                              req.metrics, new_token_ids=new_ids, new_text=new_text, new_logprobs=new_lps)
 
@@ -439,3 +450,14 @@ class LLMEngine:
             d["speculation_policy"] = self.policy.table()
         return d
 
+
+def trace_cut_to(trace: list[TokenTrace], num_chars: int) -> list[TokenTrace]:
+    """A copy of `trace` whose texts concatenate to the first `num_chars` characters of theirs
+    (a stop string cut the output text; the tokens behind the cut stay, with empty text). A new
+    list: outputs already handed out keep the one they were given."""
+    out, left = [], num_chars
+    for e in trace:
+        keep = e.text[:max(left, 0)]
+        left -= len(e.text)
+        out.append(e if keep == e.text else TokenTrace(e.token_id, keep, e.source, e.step))
+    return out

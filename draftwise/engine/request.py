@@ -39,6 +39,8 @@ class Request:
         self.text = ""                        # detokenized output (maintained by the engine)
         self.detokenizer = None               # its IncrementalDetokenizer (created on first output)
         self.logprobs: list = []              # TokenLogprob per output token (when requested)
+        self.spec_trace: list | None = [] if params.spec_trace else None   # TokenTrace per output token
+        self.num_steps = 0                    # decoding steps that produced tokens for this request
         self.generator: torch.Generator | None = None
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed)

@@ -71,7 +71,7 @@ class RequestUpdate:
     new_token_ids: list[int]            # appended to the output (cut at a stop condition)
     new_logprobs: list | None           # TokenLogprob per appended token, when asked for
     num_draft_tokens: int = 0           # drafts verified this step
-    num_accepted: int = 0               # of which accepted
+    num_accepted: int = 0               # of which accepted and emitted (a stop condition may cut them)
     draft_source: str | None = None     # the drafter that made them
 
 
@@ -257,6 +257,9 @@ class Scheduler:
                 continue
             if req.metrics.first_token_time is None:
                 req.metrics.first_token_time = now
+            req.num_steps += 1
+            # accepted drafts that were emitted (a stop condition may cut inside them)
+            acc = min(acc, len(appended))
             if s.num_draft_tokens:
                 req.metrics.observe(s.num_draft_tokens, acc)
             new_lps = None

@@ -142,6 +142,58 @@ def test_stop_strings_streaming_equals_offline(server, client, offline):
     assert "".join(c.choices[0].text for c in chunks) == want.outputs[0].text
 
 
+@pytest.mark.parametrize("chat", [False, True])
+@pytest.mark.parametrize("stop", [None, "stop-at"])
+def test_spec_trace_spans_are_the_text_and_the_counters(server, offline, chat, stop):
+    """`include_spec_trace`: spans (per token: draft or the target's own, drafter, step) whose texts
+    concatenate to the answer, as many draft tokens as usage.spec_decode counts; streamed the same;
+    llama-server's timings beside usage."""
+    p = "one two three one two three one two three one"
+    (free,) = offline.generate([p], greedy(40))
+    stop = [free.outputs[0].text[10:13]] if stop and len(free.outputs[0].text) > 16 else None
+    body = {"model": NAME, "max_tokens": 40, "temperature": 0, "include_spec_trace": True, "stop": stop,
+            **({"messages": [{"role": "user", "content": p}]} if chat else {"prompt": p})}
+    url = server.url + ("/v1/chat/completions" if chat else "/v1/completions")
+    r = httpx.post(url, json=body, timeout=60).json()
+    ch = r["choices"][0]
+    text = ch["message"]["content"] if chat else ch["text"]
+    spans = ch["spec_trace"]
+    assert "".join(s["text"] for s in spans) == text
+    tokens = {s["token"] for s in spans}
+    assert tokens == set(range(r["usage"]["completion_tokens"]))
+    drafted = {s["token"] for s in spans if s["draft"]}
+    spec = r["usage"]["spec_decode"] or {"num_accepted_tokens": 0, "num_draft_tokens": 0}
+    assert len(drafted) == spec["num_accepted_tokens"]
+    assert all(s["source"] == "ngram" for s in spans if s["draft"])
+    t = r["timings"]
+    assert t["draft_n"] == spec["num_draft_tokens"] and t["draft_n_accepted"] == spec["num_accepted_tokens"]
+    assert t["predicted_n"] == r["usage"]["completion_tokens"] and t["prompt_n"] == r["usage"]["prompt_tokens"]
+    # streamed: each chunk's spans cover exactly its text
+    body = {**body, "include_spec_trace": False, "stream": True,
+            "stream_options": {"include_usage": True, "include_spec_trace": True}}
+    streamed, stream_spans, usage_seen, timings_seen = "", [], None, None
+    with httpx.stream("POST", url, json=body, timeout=60) as resp:
+        for line in resp.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            ev = json.loads(line[6:])
+            usage_seen = ev.get("usage") or usage_seen
+            timings_seen = ev.get("timings") or timings_seen
+            for c in ev["choices"]:
+                piece = (c["delta"].get("content") or "") if chat else c["text"]
+                spans_here = c.get("spec_trace") or []
+                assert "".join(s["text"] for s in spans_here) == piece
+                streamed += piece
+                stream_spans += spans_here
+    assert streamed == text
+    assert {s["token"] for s in stream_spans if s["draft"]} == drafted
+    assert usage_seen["spec_decode"] == r["usage"]["spec_decode"] and timings_seen["draft_n"] == t["draft_n"]
+    # not asked: no trace
+    plain = httpx.post(url, json={k: v for k, v in body.items() if k not in ("stream", "stream_options")},
+                       timeout=60).json()
+    assert plain["choices"][0]["spec_trace"] is None
+
+
 def test_32_concurrent_requests(server, offline):
     prompts = [PROMPTS[i % len(PROMPTS)] + " " + str(i) for i in range(32)]
     lens = [8 + (i % 5) * 4 for i in range(32)]

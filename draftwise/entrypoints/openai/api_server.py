@@ -29,7 +29,7 @@ from fastapi import Request
 
 from draftwise.entrypoints.openai import protocol as P
 from draftwise.entrypoints.openai.serving import (COMPLETION_DEFAULT_MAX_TOKENS, APIError, EngineLoop,
-                                                  PromptPreparer, ServerMetrics, Submission, TextDelta,
+                                                  PromptPreparer, ServerMetrics, Submission, TextDelta, TraceCursor, timings,
                                                   TokenStrings,
                                                   chat_logprobs, chat_messages, completion_logprobs,
                                                   finish_reason, full_response, sampling_kwargs, sse, usage)
@@ -191,9 +191,10 @@ def default_max_request_bytes(max_model_len: int) -> int:
 
 
 def build_app(llm, served_model_name: str, api_key: str | None = None, max_request_bytes: int | None = None,
-              max_num_queued_requests: int | None = 64):
-    """The FastAPI app serving `llm` (an `LLM`) under the name `served_model_name`. The engine thread
-    starts with the app's lifespan (so run it under uvicorn or `with TestClient(app)`)."""
+              max_num_queued_requests: int | None = 64, playground: bool = True):
+    """The FastAPI app serving `llm` (an `LLM`) under the name `served_model_name`, with the browser
+    playground at `/` unless `playground` is False. The engine thread starts with the app's
+    lifespan (so run it under uvicorn or `with TestClient(app)`)."""
     from fastapi import FastAPI
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, Response
@@ -239,6 +240,10 @@ def build_app(llm, served_model_name: str, api_key: str | None = None, max_reque
         err = APIError(str(exc.detail), exc.status_code,
                        code="not_found" if exc.status_code == 404 else None)
         return _error_response(err)
+
+    if playground:
+        from draftwise.entrypoints.openai.playground import add_playground_routes
+        add_playground_routes(app)
 
     # --- plain endpoints --------------------------------------------------------------------------
     @app.get("/health", response_model=P.HealthStatus, responses={503: {"model": P.HealthStatus}})
@@ -301,17 +306,19 @@ def build_app(llm, served_model_name: str, api_key: str | None = None, max_reque
         delta = TextDelta(stop)
         sent = 0                                  # logprobs already streamed
         offset = 0
+        cursor = TraceCursor()
 
-        def chunk(text: str | None, finish=None, lps=None, role=None):
+        def chunk(text: str | None, finish=None, lps=None, role=None, trace=None, times=None):
             nonlocal offset
             if chat:
                 c = P.ChatStreamChoice(index=0, delta=P.DeltaMessage(role=role, content=text),
-                                       logprobs=chat_logprobs(lps, strings), finish_reason=finish)
-                return sse(P.ChatCompletionStreamResponse(id=rid, created=created, model=model, choices=[c]))
+                                       logprobs=chat_logprobs(lps, strings), finish_reason=finish, spec_trace=trace)
+                return sse(P.ChatCompletionStreamResponse(id=rid, created=created, model=model, choices=[c],
+                                                          timings=times))
             c = P.CompletionChoice(index=0, text=text or "", logprobs=completion_logprobs(lps, strings, offset),
-                                   finish_reason=finish)
+                                   finish_reason=finish, spec_trace=trace)
             offset += len(text or "")
-            return sse(P.CompletionStreamResponse(id=rid, created=created, model=model, choices=[c]))
+            return sse(P.CompletionStreamResponse(id=rid, created=created, model=model, choices=[c], timings=times))
 
         if chat:
             yield chunk("", role="assistant")
@@ -329,19 +336,22 @@ def build_app(llm, served_model_name: str, api_key: str | None = None, max_reque
             lps = None
             if comp.logprobs is not None:
                 lps, sent = comp.logprobs[sent:], len(comp.logprobs)
+            trace = None
+            if comp.spec_trace is not None:
+                trace = cursor.take(comp.spec_trace, len(d)) + (cursor.rest(comp.spec_trace) if out.finished else [])
             if out.finished:
                 fr = finish_reason(comp.finish_reason)
-                if chat and (d or lps):
-                    yield chunk(d, lps=lps)
-                    lps = None
-                yield chunk(None if chat else d, fr, lps=None if chat else lps)
+                if chat and (d or lps or trace):
+                    yield chunk(d, lps=lps, trace=trace)
+                    lps, trace = None, None
+                yield chunk(None if chat else d, fr, lps=None if chat else lps, trace=trace, times=timings(out))
                 if include_usage:
                     cls = P.ChatCompletionStreamResponse if chat else P.CompletionStreamResponse
                     yield sse(cls(id=rid, created=created, model=model, choices=[], usage=usage(out)))
                 yield _FINISHED
                 break
-            if d or lps:
-                yield chunk(d, lps=lps)
+            if d or lps or trace:
+                yield chunk(d, lps=lps, trace=trace)
         yield "data: [DONE]\n\n"
 
     @app.post("/v1/completions", response_model=P.CompletionResponse, responses=ERRORS)
@@ -440,6 +450,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--max-num-queued-requests", type=int, default=64,
                    help="requests that may wait beyond the running batch, else 429 with Retry-After; "
                         "-1: no limit (default: 64)")
+    g.add_argument("--no-playground", dest="playground", action="store_false",
+                   help="do not serve the browser playground at /")
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return parser
 
@@ -470,7 +482,7 @@ def run_server(args, llm=None) -> None:
     queued = None if args.max_num_queued_requests is not None and args.max_num_queued_requests < 0 \
         else args.max_num_queued_requests
     app = build_app(llm, name, api_key=api_key, max_request_bytes=args.max_request_bytes,
-                    max_num_queued_requests=queued)
+                    max_num_queued_requests=queued, playground=args.playground)
     state: ServerState = app.state.server
 
     class _Server(uvicorn.Server):

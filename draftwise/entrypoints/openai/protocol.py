@@ -4,8 +4,11 @@ declarative, and `/openapi.json` describes the real API.
 Strict types: a string where a number is expected is an error, not a coercion. Fields the engine
 does not support are accepted only at their neutral value (n = 1, penalties 0, no logit_bias, no
 echo) and otherwise rejected with a message that says so. Extensions (as in vLLM): `top_k`,
-`ignore_eos`; draftwise's own: `speculate` (false: decode this request without drafts). Responses
-carry `usage.spec_decode`, the request's own speculative-decoding counters."""
+`ignore_eos`; draftwise's own: `speculate` (false: decode this request without drafts) and
+`include_spec_trace` (also `stream_options.include_spec_trace`: each choice carries `spec_trace`,
+the spans of its text with, per token, whether it was an accepted draft, the drafter and the
+step). Responses carry `usage.spec_decode`, the request's own speculative-decoding counters, and
+llama-server's `timings` (prompt / predicted ms and per-second, `draft_n`, `draft_n_accepted`)."""
 from __future__ import annotations
 
 import time
@@ -48,6 +51,7 @@ class ErrorResponse(BaseModel):
 # --- requests ---------------------------------------------------------------------------------------
 class StreamOptions(OpenAIModel):
     include_usage: StrictBool = False
+    include_spec_trace: StrictBool = False
 
 
 class SamplingRequest(OpenAIModel):
@@ -68,6 +72,10 @@ class SamplingRequest(OpenAIModel):
     user: StrictStr | None = None
     ignore_eos: StrictBool = False
     speculate: StrictBool = True
+    include_spec_trace: StrictBool = False
+
+    def wants_spec_trace(self) -> bool:
+        return self.include_spec_trace or bool(self.stream_options and self.stream_options.include_spec_trace)
 
     @field_validator("n")
     @classmethod
@@ -170,6 +178,30 @@ class ChatCompletionRequest(SamplingRequest):
 
 
 # --- responses --------------------------------------------------------------------------------------
+class TraceSpan(BaseModel):
+    """A piece of a choice's text and the output token it belongs to. A token's text may be split
+    over chunks, and a token may have no text (a pending multi-byte character, a special token, or
+    text a stop string cut): spans are per token, in order, and their texts concatenate to the
+    choice's text."""
+    token: int                     # index of the output token
+    text: str
+    draft: bool                    # an accepted draft token (False: the target's own token)
+    source: str | None             # the drafter that proposed it
+    step: int                      # the request's decoding step that produced it
+
+
+class Timings(BaseModel):
+    """llama-server's per-response timings."""
+    prompt_n: int
+    prompt_ms: float
+    prompt_per_second: float
+    predicted_n: int
+    predicted_ms: float
+    predicted_per_second: float
+    draft_n: int
+    draft_n_accepted: int
+
+
 class SpecDecodeUsage(BaseModel):
     num_drafts: int
     num_draft_tokens: int
@@ -196,6 +228,7 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: Literal["stop", "length", "abort"] | None = None
+    spec_trace: list[TraceSpan] | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -205,6 +238,7 @@ class CompletionResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
+    timings: Timings | None = None
 
 
 class TopLogprob(BaseModel):
@@ -231,6 +265,7 @@ class ChatCompletionChoice(BaseModel):
     message: ChatResponseMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: Literal["stop", "length", "abort"] | None = None
+    spec_trace: list[TraceSpan] | None = None
 
 
 class ChatCompletionResponse(BaseModel):
@@ -240,6 +275,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatCompletionChoice]
     usage: UsageInfo | None = None
+    timings: Timings | None = None
 
 
 class DeltaMessage(BaseModel):
@@ -252,6 +288,7 @@ class ChatStreamChoice(BaseModel):
     delta: DeltaMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: Literal["stop", "length", "abort"] | None = None
+    spec_trace: list[TraceSpan] | None = None
 
 
 class ChatCompletionStreamResponse(BaseModel):
@@ -261,6 +298,7 @@ class ChatCompletionStreamResponse(BaseModel):
     model: str
     choices: list[ChatStreamChoice]
     usage: UsageInfo | None = None
+    timings: Timings | None = None
 
 
 class CompletionStreamResponse(BaseModel):
@@ -270,6 +308,7 @@ class CompletionStreamResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
+    timings: Timings | None = None
 
 
 class ModelCard(BaseModel):

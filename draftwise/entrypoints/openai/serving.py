@@ -428,7 +428,7 @@ def sampling_kwargs(req: P.SamplingRequest, chat: bool) -> dict:
         max_tokens = req.max_completion_tokens
     kw = {"max_tokens": max_tokens, "temperature": float(req.temperature), "top_p": float(req.top_p),
           "top_k": req.top_k, "seed": req.seed, "stop": req.stop_list(), "ignore_eos": req.ignore_eos,
-          "speculate": req.speculate,
+          "speculate": req.speculate, "spec_trace": req.wants_spec_trace(),
           "logprobs": req.num_logprobs() if chat else req.logprobs}
     try:                               # the engine thread validates again against the prompt
         SamplingParams(**{**kw, "max_tokens": kw["max_tokens"] or 1})
@@ -570,16 +570,75 @@ def chat_logprobs(lps, strings: TokenStrings) -> P.ChatLogprobs | None:
                                    for t in lps])
 
 
+def timings(out) -> P.Timings:
+    """llama-server's `timings`: prompt = arrival to first token, predicted = the tokens after it."""
+    m = out.metrics
+    first = m.first_token_time or m.arrival_time
+    end = m.finished_time or first
+    n_prompt, n_out = len(out.prompt_token_ids), len(out.outputs[0].token_ids)
+    prompt_ms, predicted_ms = 1000 * max(first - m.arrival_time, 0.0), 1000 * max(end - first, 0.0)
+    return P.Timings(prompt_n=n_prompt, prompt_ms=round(prompt_ms, 3),
+                     prompt_per_second=round(1000 * n_prompt / prompt_ms, 3) if prompt_ms > 0 else 0.0,
+                     predicted_n=n_out, predicted_ms=round(predicted_ms, 3),
+                     predicted_per_second=round(1000 * max(n_out - 1, 0) / predicted_ms, 3) if predicted_ms > 0 else 0.0,
+                     draft_n=m.num_draft_tokens, draft_n_accepted=m.num_accepted_tokens)
+
+
+class TraceCursor:
+    """Cuts a request's token trace (outputs.TokenTrace, one per output token) into the spans of
+    the text chunks a stream sends, in order: `take(n)` covers the next n characters, `rest()` the
+    tokens left at the end (whose text a stop string cut, or that had none)."""
+
+    def __init__(self):
+        self.i = 0               # the token being consumed
+        self.off = 0             # characters of its text already covered
+
+    def take(self, trace, n: int) -> list[P.TraceSpan]:
+        spans = []
+        while self.i < len(trace):
+            e = trace[self.i]
+            k = min(n, len(e.text) - self.off)
+            if k <= 0 and len(e.text) > self.off:
+                break                                   # the next characters are not sent yet
+            spans.append(_span(self.i, e, e.text[self.off:self.off + k]))
+            self.off += k
+            n -= k
+            if self.off < len(e.text):
+                break
+            self.i, self.off = self.i + 1, 0
+        return spans
+
+    def rest(self, trace) -> list[P.TraceSpan]:
+        spans = [_span(j, trace[j], "") for j in range(self.i + (1 if self.off else 0), len(trace))]
+        self.i, self.off = len(trace), 0
+        return spans
+
+
+def _span(i: int, e, text: str) -> P.TraceSpan:
+    return P.TraceSpan(token=i, text=text, draft=e.source is not None, source=e.source, step=e.step)
+
+
+def trace_spans(comp) -> list[P.TraceSpan] | None:
+    """The whole text's spans of a finished output (non-streamed responses)."""
+    if comp.spec_trace is None:
+        return None
+    cur = TraceCursor()
+    return cur.take(comp.spec_trace, len(comp.text)) + cur.rest(comp.spec_trace)
+
+
 def full_response(out, rid: str, model: str, created: int, chat: bool, strings: TokenStrings):
     comp = out.outputs[0]
     fr = finish_reason(comp.finish_reason)
     if chat:
         choice = P.ChatCompletionChoice(index=0, message=P.ChatResponseMessage(content=comp.text),
-                                        logprobs=chat_logprobs(comp.logprobs, strings), finish_reason=fr)
-        return P.ChatCompletionResponse(id=rid, created=created, model=model, choices=[choice], usage=usage(out))
+                                        logprobs=chat_logprobs(comp.logprobs, strings), finish_reason=fr,
+                                        spec_trace=trace_spans(comp))
+        return P.ChatCompletionResponse(id=rid, created=created, model=model, choices=[choice], usage=usage(out),
+                                        timings=timings(out))
     choice = P.CompletionChoice(index=0, text=comp.text, logprobs=completion_logprobs(comp.logprobs, strings),
-                                finish_reason=fr)
-    return P.CompletionResponse(id=rid, created=created, model=model, choices=[choice], usage=usage(out))
+                                finish_reason=fr, spec_trace=trace_spans(comp))
+    return P.CompletionResponse(id=rid, created=created, model=model, choices=[choice], usage=usage(out),
+                                timings=timings(out))
 
 
 def sse(obj) -> str:
