@@ -63,3 +63,25 @@ def test_quantized_speculation_is_lossless_on_smollm2(mode):
     llm = LLM(max_model_len=1024, quantization=mode,
               speculative_config={"method": "eagle3", "num_speculative_tokens": 3, "hybrid": "suffix"})
     assert [o.outputs[0].token_ids for o in llm.chat(prompts, sp)] == [o.outputs[0].token_ids for o in ref]
+
+
+@pytest.mark.parametrize("spec", [{"method": "suffix"}, {"method": "eagle3"},
+                                  {"method": "eagle3", "num_speculative_tokens": 3, "hybrid": "suffix"}])
+def test_spec_trace_is_exact_on_smollm2(spec):
+    """On MT-bench prompts (two turns each, the second repeating the first answer's context): per
+    request, the trace's accepted tokens equal the engine's counter and its texts the output."""
+    llm = LLM(max_model_len=1024, max_num_seqs=4, speculative_config=spec)
+    sp = SamplingParams(temperature=0, max_tokens=96, spec_trace=True)
+    convs = [[{"role": "user", "content": q}] for q in _mt_prompts(4)]
+    outs = llm.chat(convs, sp)
+    convs = [c + [{"role": "assistant", "content": o.outputs[0].text},
+                  {"role": "user", "content": "Repeat your answer word for word."}] for c, o in zip(convs, outs)]
+    outs += llm.chat(convs, sp)
+    accepted = 0
+    for o in outs:
+        c = o.outputs[0]
+        assert "".join(e.text for e in c.spec_trace) == c.text
+        n = sum(e.source is not None for e in c.spec_trace)
+        assert n == o.metrics.num_accepted_tokens
+        accepted += n
+    assert accepted > 0
