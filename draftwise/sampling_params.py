@@ -4,6 +4,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from draftwise.structured_output import StructuredOutputParams
+
 SEED_MIN, SEED_MAX = -(2 ** 63), 2 ** 64 - 1    # what torch.Generator.manual_seed accepts
 TOP_K_MAX = 2 ** 31 - 1                          # any top_k at least the vocabulary size means "off"
 
@@ -21,6 +23,8 @@ class SamplingParams:
     speculate: bool = True     # False: this request is decoded without drafts (per-request opt-out)
     logprobs: int | None = None  # return each token's log-probability and this many top alternatives
     spec_trace: bool = False   # record each output token's text, drafter source and step (outputs.TokenTrace)
+    # constrain the output to a JSON schema / regex / choice / grammar (structured_output.py)
+    structured_output: StructuredOutputParams | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -46,6 +50,8 @@ class SamplingParams:
             raise ValueError(f"logprobs must be an integer in [0, 20] or None, got {self.logprobs!r}")
         if not isinstance(self.speculate, bool):
             raise ValueError(f"speculate must be true or false, got {self.speculate!r}")
+        if self.structured_output is not None and not isinstance(self.structured_output, StructuredOutputParams):
+            raise ValueError("structured_output must be a StructuredOutputParams")
         if not isinstance(self.spec_trace, bool):
             raise ValueError(f"spec_trace must be true or false, got {self.spec_trace!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):

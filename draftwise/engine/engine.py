@@ -72,6 +72,7 @@ class LLMEngine:
             self.policy.set_step_costs(self._step_costs(sizes))
         self.num_steps = 0
         self._inflight = None                 # async scheduling: (SchedulerOutput, Future) of the running step
+        self._grammar_compiler = None
         self._pool = None
 
     def _kv_blocks_for_budget(self, lookahead: int) -> int:
@@ -214,9 +215,22 @@ class LLMEngine:
         if rid in self.requests:
             raise ValueError(f"request id {rid!r} is already in use")
         req = Request(rid, ids, params, text, self.eos_token_ids)
+        if params.structured_output is not None:
+            from draftwise.structured_output import RequestGrammar
+            req.grammar = RequestGrammar(self.compile_grammar(params.structured_output))
         self.requests[rid] = req
         self.scheduler.add(req)
         return rid
+
+    def compile_grammar(self, spec):
+        """The compiled grammar of a StructuredOutputParams (cached per spec; the server calls this
+        on its prompt-preparation thread first, so the engine thread finds it compiled)."""
+        if self.tokenizer is None:
+            raise ValueError("structured outputs need the model's tokenizer")
+        if self._grammar_compiler is None:
+            from draftwise.structured_output import GrammarCompiler
+            self._grammar_compiler = GrammarCompiler(self.tokenizer, self.model_cfg.vocab_size, self.eos_token_ids)
+        return self._grammar_compiler.compile(spec)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """End a request now; returns its final output (finish_reason "abort"), None if unknown."""

@@ -273,8 +273,11 @@ class Scheduler:
     def add_drafts(self, out: SchedulerOutput, drafts: list[Draft | None]) -> None:
         """Install the drafts proposed after step `out` for the next step (requests still running)."""
         for s, d in zip(out.scheduled, drafts):
-            if d and not s.request.is_finished:
-                s.request.draft = d
+            req = s.request
+            if d and req.grammar is not None:
+                d = req.grammar.valid_draft(d)       # no compute on tokens the grammar forbids
+            if d and not req.is_finished:
+                req.draft = d
 
     def fail(self, req: Request, error: str) -> RequestUpdate:
         """End a request whose step failed on its own account (finish_reason "error")."""
@@ -300,6 +303,10 @@ class Scheduler:
             if len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.config.max_model_len:
                 reason = "length"
                 break
+        if req.grammar is not None:
+            req.grammar.accept(appended)
+            if reason is None and req.grammar.terminated:     # the grammar is complete
+                reason = "stop"
         if self.allocator.enable_caching:
             # cache only the blocks plain decoding would have computed: the final sequence but its
             # last token. Accepted drafts cut at a stop condition have K/V too, but caching them would

@@ -244,6 +244,9 @@ class ModelRunner:
         t2 = time.perf_counter()
         if self.hidden_recorder is not None:
             self.hidden_recorder.record(scheds, cache_pos, output)
+        if any(s.request.grammar is not None for s in scheds):
+            from draftwise.structured_output import apply_grammar_masks
+            apply_grammar_masks(output.logits, scheds, self.model_cfg.vocab_size)
         accepted_rows: list[list[int]] = []
         if any_tree:
             from draftwise.spec_decode.tree import compact_tree_kv, verify_trees

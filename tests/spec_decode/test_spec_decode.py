@@ -198,8 +198,6 @@ def _sample_counts(path, spec, params_kw, n, n_tokens=2):
 def small_vocab(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("tiny_v8"))
     make_tiny_hf(path, "llama", vocab=8, hidden=32, layers=2, heads=2, kv_heads=1, seed=5)
-    with torch.no_grad():
-        pass
     ck = write_eagle3_checkpoint(str(tmp_path_factory.mktemp("eagle_v8")), load_cfg(path), scale=0.3, seed=2)
     from tests.helpers import write_dflash_checkpoint
     dck = write_dflash_checkpoint(str(tmp_path_factory.mktemp("dflash_v8")), load_cfg(path), block_size=3,

@@ -54,6 +54,27 @@ class StreamOptions(OpenAIModel):
     include_spec_trace: StrictBool = False
 
 
+class JsonSchemaFormat(OpenAIModel):
+    name: StrictStr | None = None
+    description: StrictStr | None = None
+    schema_: dict | None = Field(default=None, alias="schema")
+    strict: StrictBool | None = None
+
+
+class ResponseFormat(OpenAIModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsField(OpenAIModel):
+    """vLLM's `structured_outputs`: one of these."""
+    json_: dict | Text | None = Field(default=None, alias="json")
+    regex: Text | None = None
+    choice: Annotated[list[Annotated[Text, Field(min_length=1)]], Field(min_length=1)] | None = None
+    grammar: Text | None = None
+    json_object: StrictBool | None = None
+
+
 class SamplingRequest(OpenAIModel):
     """Fields shared by /v1/completions and /v1/chat/completions."""
     model: StrictStr | None = None
@@ -73,6 +94,38 @@ class SamplingRequest(OpenAIModel):
     ignore_eos: StrictBool = False
     speculate: StrictBool = True
     include_spec_trace: StrictBool = False
+    # structured outputs: OpenAI's response_format, vLLM's structured_outputs and guided_* fields
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsField | None = None
+    guided_json: dict | Text | None = None
+    guided_regex: Text | None = None
+    guided_choice: Annotated[list[Annotated[Text, Field(min_length=1)]], Field(min_length=1)] | None = None
+    guided_grammar: Text | None = None
+
+    def structured_output_spec(self) -> tuple[str, dict] | None:
+        """(the request field that set it, StructuredOutputParams kwargs), None without a constraint;
+        more than one constraint is an error."""
+        found = []
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            found.append(("response_format", {"json_object": True}))
+        elif rf is not None and rf.type == "json_schema":
+            if rf.json_schema is None or rf.json_schema.schema_ is None:
+                raise ValueError("response_format of type json_schema needs json_schema.schema")
+            found.append(("response_format", {"json": rf.json_schema.schema_}))
+        so = self.structured_outputs
+        if so is not None:
+            kw = {k: v for k, v in (("json", so.json_), ("regex", so.regex), ("choice", so.choice),
+                                    ("grammar", so.grammar), ("json_object", so.json_object or None))
+                  if v is not None}
+            found.append(("structured_outputs", kw))
+        for field_, key in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                            ("guided_grammar", "grammar")):
+            if getattr(self, field_) is not None:
+                found.append((field_, {key: getattr(self, field_)}))
+        if len(found) > 1:
+            raise ValueError("give one structured-output constraint, not " + " and ".join(f for f, _ in found))
+        return found[0] if found else None
 
     def wants_spec_trace(self) -> bool:
         return self.include_spec_trace or bool(self.stream_options and self.stream_options.include_spec_trace)

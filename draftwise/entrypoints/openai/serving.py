@@ -430,6 +430,14 @@ def sampling_kwargs(req: P.SamplingRequest, chat: bool) -> dict:
           "top_k": req.top_k, "seed": req.seed, "stop": req.stop_list(), "ignore_eos": req.ignore_eos,
           "speculate": req.speculate, "spec_trace": req.wants_spec_trace(),
           "logprobs": req.num_logprobs() if chat else req.logprobs}
+    from draftwise.structured_output import StructuredOutputParams
+    spec = None
+    try:
+        spec = req.structured_output_spec()
+        if spec is not None:
+            kw["structured_output"] = StructuredOutputParams(**spec[1])
+    except ValueError as e:
+        raise APIError(str(e), param=spec[0] if spec else "response_format", code="invalid_value") from None
     try:                               # the engine thread validates again against the prompt
         SamplingParams(**{**kw, "max_tokens": kw["max_tokens"] or 1})
     except ValueError as e:
@@ -474,6 +482,11 @@ class PromptPreparer:
                 raise APIError(f"could not tokenize the {param}: {type(e).__name__}", param=param) from None
         if not ids:
             raise APIError("the prompt is empty", param=param)
+        if sampling.get("structured_output") is not None:
+            try:                      # compiled here, off the engine thread (the engine finds it cached)
+                engine.compile_grammar(sampling["structured_output"])
+            except ValueError as e:
+                raise APIError(str(e), param="response_format", code="invalid_value") from None
         if len(ids) >= max_len:
             raise APIError(f"This model's maximum context length is {max_len} tokens, but the prompt has "
                            f"{len(ids)} tokens (it must leave room for at least one new token).",
