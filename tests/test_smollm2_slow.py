@@ -85,3 +85,29 @@ def test_spec_trace_is_exact_on_smollm2(spec):
         assert n == o.metrics.num_accepted_tokens
         accepted += n
     assert accepted > 0
+
+
+def test_structured_outputs_validate_on_smollm2():
+    """The json-schema workload's 20 schemas: every answer is a complete document that validates
+    (default configuration, suffix decoding), identical to plain constrained decoding; json_object
+    answers parse; choices are one of the choices."""
+    import jsonschema
+    from draftwise.bench.json_schemas import load_json_schema_prompts
+    from draftwise.structured_output import StructuredOutputParams as S
+    convs = load_json_schema_prompts()
+    prompts = [[{"role": "user", "content": c[0]}] for c in convs]
+    sps = [SamplingParams(temperature=0, max_tokens=320, structured_output=S(json=c[0].schema)) for c in convs]
+    spec_llm = LLM(max_model_len=1024, max_num_seqs=4)
+    outs = spec_llm.chat(prompts, sps)
+    for c, o in zip(convs, outs):
+        assert o.outputs[0].finish_reason == "stop", o.outputs[0].text
+        jsonschema.validate(json.loads(o.outputs[0].text), c[0].schema)
+    plain = LLM(max_model_len=1024, max_num_seqs=4, speculative_config=None).chat(prompts, sps)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
+    q = [[{"role": "user", "content": t}] for t in _mt_prompts(4)]
+    for o in spec_llm.chat(q, SamplingParams(temperature=0, max_tokens=200, structured_output=S(json_object=True))):
+        if o.outputs[0].finish_reason == "stop":
+            assert isinstance(json.loads(o.outputs[0].text), dict)
+    choices = ["positive", "negative", "neutral"]
+    for o in spec_llm.chat(q, SamplingParams(temperature=0, max_tokens=10, structured_output=S(choice=choices))):
+        assert o.outputs[0].text in choices

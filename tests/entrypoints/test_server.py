@@ -324,6 +324,21 @@ def test_client_disconnect_aborts_and_frees_kv(server):
     assert not engine.requests
 
 
+def test_tokenize_and_detokenize(server, client):
+    msgs = [{"role": "user", "content": "Hello there!"}]
+    t = httpx.post(server.url + "/tokenize", json={"model": NAME, "messages": msgs}).json()
+    r = client.chat.completions.create(model=NAME, messages=msgs, max_tokens=2, temperature=0)
+    assert t["count"] == len(t["tokens"]) == r.usage.prompt_tokens and t["max_model_len"] == MAX_LEN
+    p = httpx.post(server.url + "/tokenize", json={"prompt": "The quick brown fox"}).json()
+    d = httpx.post(server.url + "/detokenize", json={"tokens": p["tokens"]}).json()
+    assert d["prompt"].strip() == "The quick brown fox"
+    for path, body in (("/tokenize", {}), ("/tokenize", {"prompt": "a", "messages": msgs}),
+                       ("/detokenize", {"tokens": [10 ** 9]}), ("/detokenize", {"tokens": ["a"]}),
+                       ("/tokenize", {"prompt": "a", "model": "other"})):
+        r = httpx.post(server.url + path, json=body)
+        assert r.status_code in (400, 404) and r.json()["error"]["message"], (path, body)
+
+
 def test_api_key(model_dir):
     llm = LLM(model_dir, **ENGINE_KW)
     seen = []
@@ -333,7 +348,8 @@ def test_api_key(model_dir):
         body = {"model": NAME, "prompt": "hi", "max_tokens": 2}
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sekret"},
                         {"Authorization": "Basic sekret"}):
-            for path in ("/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/nope"):
+            for path in ("/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/nope", "/tokenize",
+                         "/detokenize"):
                 r = httpx.post(srv.url + path, json=body, headers=headers)
                 assert r.status_code == 401, (headers, path)
                 assert r.json()["error"]["code"] == "invalid_api_key"
@@ -343,7 +359,7 @@ def test_api_key(model_dir):
         assert seen == []                          # the engine never saw them
         assert httpx.get(srv.url + "/health").status_code == 200
         m = scrape(srv.url)
-        assert m['draftwise_requests_total{outcome="unauthorized"}'] == 17
+        assert m['draftwise_requests_total{outcome="unauthorized"}'] == 4 * 6 + 1
         good = openai.OpenAI(base_url=srv.url + "/v1", api_key="sekret", max_retries=0)
         assert good.completions.create(model=NAME, prompt="hi", max_tokens=2).usage.completion_tokens >= 1
         assert [m.id for m in good.models.list().data] == [NAME]

@@ -52,7 +52,7 @@ EXTREME_BODIES["/v1/completions"].append({"model": NAME, "prompt": "a\ud800b", "
 EXTREME_BODIES["/v1/chat/completions"].append({"model": NAME, "max_tokens": 2,
                                                "messages": [{"role": "user", "content": "\udc00"}]})
 OPERATIONS = [("/v1/completions", "POST"), ("/v1/chat/completions", "POST"), ("/v1/models", "GET"),
-              ("/health", "GET"), ("/metrics", "GET")]
+              ("/tokenize", "POST"), ("/detokenize", "POST"), ("/health", "GET"), ("/metrics", "GET")]
 
 
 def test_no_5xx_and_openai_shaped_errors(fuzz_app, fuzz_schema):

@@ -71,6 +71,9 @@ def validation_error(errors: list[dict]) -> APIError:
     return APIError(f"'{param}': {msg}", param=param, code=code)
 
 
+_GATED = ("/tokenize", "/detokenize")       # vLLM serves these beside /v1; same key, limits and drain
+
+
 class _Gate:
     """Pure ASGI middleware for /v1/*: draining (503), the API key (401), the request-size limit
     (413, checked against Content-Length and again while a chunked body streams in) and overload
@@ -81,7 +84,8 @@ class _Gate:
         self.state = state
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and (scope["path"] == "/v1" or scope["path"].startswith("/v1/")):
+        path = scope.get("path", "")
+        if scope["type"] == "http" and (path == "/v1" or path.startswith("/v1/") or path in _GATED):
             st = self.state
             err = None
             if st.draining:
@@ -263,6 +267,44 @@ def build_app(llm, served_model_name: str, api_key: str | None = None, max_reque
     async def models():
         return P.ModelList(data=[P.ModelCard(id=served_model_name, created=state.created,
                                              max_model_len=llm.engine.config.max_model_len)])
+
+    @app.post("/tokenize", response_model=P.TokenizeResponse, responses=ERRORS)
+    async def tokenize(body: P.TokenizeRequest):
+        _check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError("give exactly one of 'prompt' and 'messages'", param="prompt")
+
+        def run():
+            with state.preparer.lock:
+                if body.messages is not None:
+                    msgs = [{"role": m.role, "content": m.text()} for m in body.messages]
+                    tok = llm.engine.tokenizer
+                    if tok is None or not getattr(tok, "chat_template", None):
+                        raise APIError("this model has no chat template", param="messages")
+                    text = tok.apply_chat_template(msgs, tokenize=False,
+                                                   add_generation_prompt=body.add_generation_prompt)
+                else:
+                    text = body.prompt
+                return llm.engine.tokenize_prompt(text)[1]
+        try:
+            ids = await asyncio.to_thread(run)
+        except ValueError as e:
+            raise APIError(str(e), param="messages" if body.messages is not None else "prompt") from None
+        return P.TokenizeResponse(tokens=ids, count=len(ids), max_model_len=llm.engine.config.max_model_len)
+
+    @app.post("/detokenize", response_model=P.DetokenizeResponse, responses=ERRORS)
+    async def detokenize(body: P.DetokenizeRequest):
+        _check_model(body.model)
+        vocab = llm.engine.model_cfg.vocab_size
+        if any(t >= vocab for t in body.tokens):
+            raise APIError(f"token ids must be in [0, {vocab})", param="tokens")
+        if llm.engine.tokenizer is None:
+            raise APIError("this model has no tokenizer", param="tokens")
+
+        def run():
+            with state.preparer.lock:
+                return llm.engine.tokenizer.decode(body.tokens)
+        return P.DetokenizeResponse(prompt=await asyncio.to_thread(run))
 
     # --- generation -------------------------------------------------------------------------------
     def _check_model(model: str | None) -> str:

@@ -130,6 +130,34 @@ class SamplingRequest(OpenAIModel):
     def wants_spec_trace(self) -> bool:
         return self.include_spec_trace or bool(self.stream_options and self.stream_options.include_spec_trace)
 
+    # fields of vLLM's / OpenAI's API not supported yet: refused by name unless at their neutral value
+    min_p: Number = 0
+    repetition_penalty: Number = 1
+    min_tokens: StrictInt = 0
+    bad_words: list[StrictStr] | None = None
+    allowed_token_ids: list[StrictInt] | None = None
+
+    @field_validator("min_p", "min_tokens")
+    @classmethod
+    def _zero_only(cls, v, info):
+        if v != 0:
+            raise ValueError(f"{info.field_name} is not supported yet (only 0)")
+        return v
+
+    @field_validator("repetition_penalty")
+    @classmethod
+    def _one_only(cls, v):
+        if v != 1:
+            raise ValueError("repetition_penalty is not supported yet (only 1)")
+        return v
+
+    @field_validator("bad_words", "allowed_token_ids")
+    @classmethod
+    def _empty_only(cls, v, info):
+        if v:
+            raise ValueError(f"{info.field_name} is not supported yet")
+        return v
+
     @field_validator("n")
     @classmethod
     def _one_choice(cls, v):
@@ -220,6 +248,24 @@ class ChatMessage(OpenAIModel):
 
 class ChatCompletionRequest(SamplingRequest):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    tools: list[dict] | None = None
+    tool_choice: StrictStr | dict | None = None
+    functions: list[dict] | None = None
+    function_call: StrictStr | dict | None = None
+
+    @field_validator("tools", "functions")
+    @classmethod
+    def _no_tools(cls, v, info):
+        if v:
+            raise ValueError(f"{info.field_name} (tool calling) is not supported yet")
+        return v
+
+    @field_validator("tool_choice", "function_call")
+    @classmethod
+    def _no_tool_choice(cls, v, info):
+        if v is not None and v != "none":
+            raise ValueError(f"{info.field_name} is not supported yet (only \"none\")")
+        return v
     max_completion_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
     logprobs: StrictBool = False
     top_logprobs: Annotated[StrictInt, Field(ge=0, le=20)] | None = None
@@ -375,6 +421,29 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class TokenizeRequest(OpenAIModel):
+    """vLLM's /tokenize: a prompt, or chat messages (with the chat template)."""
+    model: StrictStr | None = None
+    prompt: Text | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
+    add_generation_prompt: StrictBool = True
+
+
+class TokenizeResponse(BaseModel):
+    tokens: list[int]
+    count: int
+    max_model_len: int
+
+
+class DetokenizeRequest(OpenAIModel):
+    model: StrictStr | None = None
+    tokens: list[Annotated[StrictInt, Field(ge=0)]]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
 
 
 class HealthStatus(BaseModel):

@@ -454,14 +454,14 @@ class PromptPreparer:
         self.llm = llm
         self.engine = llm.engine
         self.max_prompt_chars = max_prompt_chars
-        self._lock = threading.Lock()
+        self.lock = threading.Lock()
 
     def __call__(self, prompt, messages, sampling: dict, default_max_tokens: int | None):
         """-> (prompt text or None, token ids, max_tokens when none is given). Raises APIError."""
         engine = self.engine
         max_len = engine.config.max_model_len
         param = "messages" if messages is not None else "prompt"
-        with self._lock:
+        with self.lock:
             try:
                 if messages is not None:
                     prompt = self.llm.apply_chat_template(messages)
