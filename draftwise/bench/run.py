@@ -167,7 +167,9 @@ def run_engine_method(name, spec, args, convs, bar=None, llm=None, quantization=
     dtoks = after["num_draft_tokens"] - before["num_draft_tokens"]
     per_pos = [a - (before["accepted_per_position"][i] if i < len(before["accepted_per_position"]) else 0)
                for i, a in enumerate(after["accepted_per_position"])]
-    res = {"method": name, "spec": spec, "quantization": quantization, "output_tokens": n_tokens, "time_s": gen_time,
+    from draftwise.engine_args import resolve_quantization
+    res = {"method": name, "spec": spec, "quantization": resolve_quantization(args.model, quantization),
+           "output_tokens": n_tokens, "time_s": gen_time,
            "tokens_per_s": n_tokens / gen_time if gen_time else 0.0,
            "num_drafts": drafts, "num_draft_tokens": dtoks, "num_accepted": acc,
            "mean_acceptance_length": 1 + acc / drafts if drafts else None,
