@@ -46,6 +46,12 @@ class TrainConfig:
     seed: int = 0
     threads: int | None = None
     export_dtype: str = "float16"
+    # start from this EAGLE-3 head (its weights and draft vocabulary), e.g. the shipped drafter
+    init_from: str | None = None
+    # bf16 autocast for the forward and backward (fp32 master weights): "bf16", "auto" (where the
+    # CPU has AVX512_BF16 / AMX), "none". Default none: on a 2-core AMX Xeon, one thread, it
+    # measured 172 training tokens/s against fp32's 188 (the head is too small to gain)
+    autocast: str = "none"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -287,6 +293,17 @@ def sharegpt_reply_counts(target_path: str, conversations: int):
     return counts
 
 
+def _autocast_dtype(setting: str):
+    """bf16 or None (fp32) for the trainer's autocast."""
+    if setting not in ("auto", "bf16", "none"):
+        raise ValueError(f"autocast must be auto, bf16 or none, got {setting!r}")
+    if setting == "auto":
+        from draftwise.machine import cpu_flags
+        flags = cpu_flags()
+        return torch.bfloat16 if ("avx512_bf16" in flags or "amx_bf16" in flags) else None
+    return torch.bfloat16 if setting == "bf16" else None
+
+
 def train_eagle3(cfg: TrainConfig, progress: bool = True) -> str:
     """Train (or resume) on data shards and export; returns the export directory."""
     from tqdm import tqdm
@@ -304,9 +321,16 @@ def train_eagle3(cfg: TrainConfig, progress: bool = True) -> str:
     aux_layers = target.get_eagle3_aux_hidden_state_layers()
     ckpt_path = os.path.join(cfg.out, "trainer_state.pt")
     state = torch.load(ckpt_path, weights_only=False) if os.path.exists(ckpt_path) else None
+    init = None
     if state is not None:
         d2t, t2d = state["d2t"], state["t2d"]
         coverage = state.get("coverage", 0.0)
+    elif cfg.init_from:
+        from draftwise.models.eagle3 import load_eagle3_checkpoint
+        init, init_raw = load_eagle3_checkpoint(cfg.init_from, tcfg, target.embed_tokens, torch.float32, "cpu",
+                                                cfg.max_len + cfg.ttt_steps + 64)
+        d2t, t2d = init.d2t.clone(), init.t2d.clone()
+        coverage = float((init_raw.get("draftwise_training") or {}).get("draft_vocab_coverage", 0.0))
     else:
         seqs = iter_shard_sequences(cfg.data, aux_layers)
         counter = count_tokens(s for _, s in zip(range(cfg.vocab_sequences), seqs))
@@ -314,6 +338,11 @@ def train_eagle3(cfg: TrainConfig, progress: bool = True) -> str:
         d2t, t2d, coverage = build_draft_vocab(counter, tcfg.vocab_size, cfg.draft_vocab_size,
                                                always=list(tcfg.eos_token_ids), fallback=fill)
     model = build_draft(target, d2t, t2d, cfg.max_len + cfg.ttt_steps + 64)
+    if init is not None:
+        model.load_state_dict({k: v for k, v in init.state_dict().items() if not k.startswith("embed_tokens")},
+                              strict=False)
+        del init
+    amp = _autocast_dtype(cfg.autocast)
     teacher = _Teacher(target, d2t, t2d)
     params = [p for n, p in model.named_parameters() if not n.startswith("embed_tokens")]
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
@@ -342,7 +371,8 @@ def train_eagle3(cfg: TrainConfig, progress: bool = True) -> str:
         loss_sum, n_seq = 0.0, 0
         while n_tok < cfg.tokens_per_step:
             seq = next(data)
-            loss, st, _ = _sequence_loss(model, teacher, seq, cfg)
+            with torch.autocast("cpu", dtype=amp or torch.bfloat16, enabled=amp is not None):
+                loss, st, _ = _sequence_loss(model, teacher, seq, cfg)
             if loss.requires_grad:
                 (loss * len(seq) / cfg.tokens_per_step).backward()
             loss_sum += float(loss.detach())
