@@ -30,6 +30,7 @@ from fastapi import Request
 from draftwise.entrypoints.openai import protocol as P
 from draftwise.entrypoints.openai.serving import (COMPLETION_DEFAULT_MAX_TOKENS, APIError, EngineLoop,
                                                   PromptPreparer, ServerMetrics, Submission, TextDelta, TraceCursor, timings,
+                                                  tool_calls_from,
                                                   TokenStrings,
                                                   chat_logprobs, chat_messages, completion_logprobs,
                                                   finish_reason, full_response, sampling_kwargs, sse, usage)
@@ -314,9 +315,14 @@ def build_app(llm, served_model_name: str, api_key: str | None = None, max_reque
         return served_model_name
 
     async def _generate(request: Request, body: P.SamplingRequest, chat: bool):
+        tools = None
         try:
             model = _check_model(body.model)
             if chat:
+                try:
+                    tools = body.tool_mode()
+                except ValueError as e:
+                    raise APIError(str(e), param="tool_choice", code="invalid_value") from None
                 messages, prompt = chat_messages(body), None
             else:
                 messages, prompt = None, body.single_prompt()
@@ -335,16 +341,16 @@ def build_app(llm, served_model_name: str, api_key: str | None = None, max_reque
             q = await state.engine_loop.submit(sub)     # APIError (400/500/503) propagates
             if body.stream:
                 done = True            # the response owns the request from here (aborts it if cut short)
-                return SSEResponse(_stream_events(q, rid, model, created, chat, include_usage, sampling["stop"]),
+                return SSEResponse(_stream_events(q, rid, model, created, chat, include_usage, sampling["stop"], tools),
                                    on_abort=lambda: state.engine_loop.abort(rid))
             final = await _wait_final(request, q)
             done = True
-            return full_response(final, rid, model, created, chat, strings)
+            return full_response(final, rid, model, created, chat, strings, tools)
         finally:
             if not done:
                 state.engine_loop.abort(rid)
 
-    async def _stream_events(q, rid, model, created, chat, include_usage, stop):
+    async def _stream_events(q, rid, model, created, chat, include_usage, stop, tools=None):
         delta = TextDelta(stop)
         sent = 0                                  # logprobs already streamed
         offset = 0
@@ -381,6 +387,23 @@ def build_app(llm, served_model_name: str, api_key: str | None = None, max_reque
             trace = None
             if comp.spec_trace is not None:
                 trace = cursor.take(comp.spec_trace, len(d)) + (cursor.rest(comp.spec_trace) if out.finished else [])
+            if tools is not None:              # a forced tool call: sent whole, as one tool_calls delta
+                if not out.finished:
+                    continue
+                calls = tool_calls_from(comp.text, tools) if finish_reason(comp.finish_reason) == "stop" else None
+                if calls is not None:
+                    delta_calls = [P.DeltaToolCall(index=i, **c.model_dump()) for i, c in enumerate(calls)]
+                    c = P.ChatStreamChoice(index=0, delta=P.DeltaMessage(tool_calls=delta_calls))
+                    yield sse(P.ChatCompletionStreamResponse(id=rid, created=created, model=model, choices=[c]))
+                    c = P.ChatStreamChoice(index=0, delta=P.DeltaMessage(), finish_reason="tool_calls")
+                    yield sse(P.ChatCompletionStreamResponse(id=rid, created=created, model=model, choices=[c],
+                                                             timings=timings(out)))
+                    if include_usage:
+                        yield sse(P.ChatCompletionStreamResponse(id=rid, created=created, model=model, choices=[],
+                                                                 usage=usage(out)))
+                    yield _FINISHED
+                    break
+                d = comp.text                  # not a complete call (length): the text as content
             if out.finished:
                 fr = finish_reason(comp.finish_reason)
                 if chat and (d or lps or trace):

@@ -123,9 +123,13 @@ class SamplingRequest(OpenAIModel):
                             ("guided_grammar", "grammar")):
             if getattr(self, field_) is not None:
                 found.append((field_, {key: getattr(self, field_)}))
+        found += self._tool_constraint()
         if len(found) > 1:
             raise ValueError("give one structured-output constraint, not " + " and ".join(f for f, _ in found))
         return found[0] if found else None
+
+    def _tool_constraint(self) -> list:
+        return []
 
     def wants_spec_trace(self) -> bool:
         return self.include_spec_trace or bool(self.stream_options and self.stream_options.include_spec_trace)
@@ -246,26 +250,76 @@ class ChatMessage(OpenAIModel):
         return self.content
 
 
+class FunctionDef(OpenAIModel):
+    name: Annotated[StrictStr, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
+    description: StrictStr | None = None
+    parameters: dict | None = None
+
+
+class ToolDef(OpenAIModel):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(OpenAIModel):
+    name: StrictStr
+
+
+class NamedToolChoice(OpenAIModel):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+def tool_call_schema(mode: str, tools: list[ToolDef]) -> dict:
+    """The JSON the model must write: a named function's arguments, or (required) an object
+    {"name": one of the tools, "arguments": that tool's arguments}."""
+    def params(t):
+        return t.function.parameters or {"type": "object"}
+    if mode == "named":
+        return params(tools[0])
+    return {"anyOf": [{"type": "object", "properties": {"name": {"const": t.function.name}, "arguments": params(t)},
+                       "required": ["name", "arguments"], "additionalProperties": False} for t in tools]}
+
+
 class ChatCompletionRequest(SamplingRequest):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    tools: list[dict] | None = None
-    tool_choice: StrictStr | dict | None = None
+    tools: list[ToolDef] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     functions: list[dict] | None = None
     function_call: StrictStr | dict | None = None
 
-    @field_validator("tools", "functions")
+    @field_validator("functions")
     @classmethod
-    def _no_tools(cls, v, info):
+    def _no_functions(cls, v):
         if v:
-            raise ValueError(f"{info.field_name} (tool calling) is not supported yet")
+            raise ValueError("the legacy functions field is not supported: use tools")
         return v
 
-    @field_validator("tool_choice", "function_call")
+    @field_validator("function_call")
     @classmethod
-    def _no_tool_choice(cls, v, info):
+    def _no_function_call(cls, v):
         if v is not None and v != "none":
-            raise ValueError(f"{info.field_name} is not supported yet (only \"none\")")
+            raise ValueError("the legacy function_call field is not supported: use tool_choice")
         return v
+
+    def _tool_constraint(self) -> list:
+        mode = self.tool_mode()
+        return [] if mode is None else [("tool_choice", {"json": tool_call_schema(*mode)})]
+
+    def tool_mode(self) -> tuple[str, list[ToolDef]] | None:
+        """("required" | "named", the tools the call may use), or None when no call is forced
+        (no tools, or tool_choice "none"). tool_choice "auto" (the default with tools) needs a
+        tool-call parser for the model's chat format and is refused."""
+        if not self.tools or self.tool_choice == "none":
+            return None
+        if self.tool_choice in (None, "auto"):
+            raise ValueError('tool_choice "auto" is not supported yet: use "required", a named function, or "none"')
+        if self.tool_choice == "required":
+            return "required", list(self.tools)
+        named = [t for t in self.tools if t.function.name == self.tool_choice.function.name]
+        if not named:
+            raise ValueError(f"tool_choice names {self.tool_choice.function.name!r}, which is not among the tools")
+        return "named", named
     max_completion_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
     logprobs: StrictBool = False
     top_logprobs: Annotated[StrictInt, Field(ge=0, le=20)] | None = None
@@ -354,16 +408,32 @@ class ChatLogprobs(BaseModel):
     content: list[ChatTokenLogprob] | None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str                  # JSON text, as OpenAI returns it
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class DeltaToolCall(ToolCall):
+    index: int = 0
+
+
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatCompletionChoice(BaseModel):
     index: int
     message: ChatResponseMessage
     logprobs: ChatLogprobs | None = None
-    finish_reason: Literal["stop", "length", "abort"] | None = None
+    finish_reason: Literal["stop", "length", "abort", "tool_calls"] | None = None
     spec_trace: list[TraceSpan] | None = None
 
 
@@ -380,13 +450,14 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatStreamChoice(BaseModel):
     index: int
     delta: DeltaMessage
     logprobs: ChatLogprobs | None = None
-    finish_reason: Literal["stop", "length", "abort"] | None = None
+    finish_reason: Literal["stop", "length", "abort", "tool_calls"] | None = None
     spec_trace: list[TraceSpan] | None = None
 
 

@@ -507,6 +507,15 @@ class PromptPreparer:
 
 def chat_messages(req: P.ChatCompletionRequest) -> list[dict]:
     out = []
+    mode = req.tool_mode()
+    if mode is not None:
+        # the tools reach the model as a system message (works with any chat template); the
+        # grammar then makes the answer a valid call
+        import json as _json
+        spec = [{"name": t.function.name, "description": t.function.description or "",
+                 "parameters": t.function.parameters or {"type": "object"}} for t in mode[1]]
+        out.append({"role": "system", "content": "You can call these functions (JSON schemas of their "
+                    f"arguments):\n{_json.dumps(spec)}\nAnswer with a function call as JSON."})
     for i, m in enumerate(req.messages):
         try:
             msg = {"role": m.role, "content": m.text()}
@@ -639,9 +648,32 @@ def trace_spans(comp) -> list[P.TraceSpan] | None:
     return cur.take(comp.spec_trace, len(comp.text)) + cur.rest(comp.spec_trace)
 
 
-def full_response(out, rid: str, model: str, created: int, chat: bool, strings: TokenStrings):
+def tool_calls_from(text: str, mode) -> list[P.ToolCall] | None:
+    """The call a tool-constrained answer encodes, or None if it is not complete JSON."""
+    import json as _json
+    import uuid as _uuid
+    try:
+        doc = _json.loads(text)
+    except ValueError:
+        return None
+    kind, tools = mode
+    if kind == "named":
+        name, args = tools[0].function.name, text
+    else:
+        name, args = doc["name"], _json.dumps(doc["arguments"], ensure_ascii=False)
+    return [P.ToolCall(id=f"call_{_uuid.uuid4().hex[:24]}", function=P.FunctionCall(name=name, arguments=args))]
+
+
+def full_response(out, rid: str, model: str, created: int, chat: bool, strings: TokenStrings, tools=None):
     comp = out.outputs[0]
     fr = finish_reason(comp.finish_reason)
+    calls = tool_calls_from(comp.text, tools) if tools is not None and fr == "stop" else None
+    if calls is not None:
+        message = P.ChatResponseMessage(content=None, tool_calls=calls)
+        choice = P.ChatCompletionChoice(index=0, message=message, finish_reason="tool_calls",
+                                        logprobs=chat_logprobs(comp.logprobs, strings), spec_trace=trace_spans(comp))
+        return P.ChatCompletionResponse(id=rid, created=created, model=model, choices=[choice], usage=usage(out),
+                                        timings=timings(out))
     if chat:
         choice = P.ChatCompletionChoice(index=0, message=P.ChatResponseMessage(content=comp.text),
                                         logprobs=chat_logprobs(comp.logprobs, strings), finish_reason=fr,
