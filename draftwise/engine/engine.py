@@ -214,13 +214,31 @@ class LLMEngine:
         rid = request_id if request_id is not None else str(next(self._ids))
         if rid in self.requests:
             raise ValueError(f"request id {rid!r} is already in use")
+        for name in ("logit_bias", "allowed_token_ids"):
+            bad = [t for t in (getattr(params, name) or ()) if t >= vocab]
+            if bad:
+                raise ValueError(f"{name} has token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
         req = Request(rid, ids, params, text, self.eos_token_ids)
+        if params.bad_words:
+            req.bad_words_ids = self._bad_words_ids(params.bad_words)
         if params.structured_output is not None:
             from draftwise.structured_output import RequestGrammar
             req.grammar = RequestGrammar(self.compile_grammar(params.structured_output))
         self.requests[rid] = req
         self.scheduler.add(req)
         return rid
+
+    def _bad_words_ids(self, words: list[str]) -> list[list[int]]:
+        """Token sequences of each bad word, alone and after a space (as vLLM bans them)."""
+        if self.tokenizer is None:
+            raise ValueError("bad_words need the model's tokenizer")
+        out = []
+        for w in words:
+            for text in (w, " " + w.lstrip()):
+                ids = self.tokenizer(text, add_special_tokens=False).input_ids
+                if ids and ids not in out:
+                    out.append(ids)
+        return out
 
     def compile_grammar(self, spec):
         """The compiled grammar of a StructuredOutputParams (cached per spec; the server calls this

@@ -42,6 +42,7 @@ class Request:
         self.spec_trace: list | None = [] if params.spec_trace else None   # TokenTrace per output token
         self.num_steps = 0                    # decoding steps that produced tokens for this request
         self.grammar = None                   # RequestGrammar when the output is constrained
+        self.bad_words_ids: list[list[int]] = []   # token sequences of params.bad_words (the engine's tokenizer)
         self.generator: torch.Generator | None = None
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed)

@@ -18,6 +18,7 @@ class SamplingMetadata:
     greedy: torch.Tensor             # [R] bool
     generators: list                 # [R] torch.Generator (one per request; shared for unseeded)
     all_greedy: bool
+    min_p: torch.Tensor | None = None  # [R] float; None: no row uses min-p
 
     @classmethod
     def from_params(cls, params_list, generators, device) -> "SamplingMetadata":
@@ -29,6 +30,8 @@ class SamplingMetadata:
             greedy=torch.tensor([p.greedy for p in params_list], dtype=torch.bool, device=device),
             generators=list(generators),
             all_greedy=all(p.greedy for p in params_list),
+            min_p=(torch.tensor([float(p.min_p) for p in params_list], dtype=torch.float32, device=device)
+                   if any(p.min_p for p in params_list) else None),
         )
 
     def repeat_rows(self, counts: list[int]) -> "SamplingMetadata":
@@ -36,7 +39,8 @@ class SamplingMetadata:
         idx = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts))
         gens = [self.generators[i] for i in idx.tolist()]
         return SamplingMetadata(self.temperature[idx], self.top_k[idx], self.top_p[idx],
-                                self.greedy[idx], gens, self.all_greedy)
+                                self.greedy[idx], gens, self.all_greedy,
+                                self.min_p[idx] if self.min_p is not None else None)
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -65,6 +69,9 @@ def target_probs(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
     temp = torch.where(meta.greedy, torch.ones_like(meta.temperature), meta.temperature)
     scaled = apply_top_k_top_p(logits / temp[:, None], meta.top_k, meta.top_p)
     probs = scaled.softmax(-1)
+    if meta.min_p is not None:                # min-p: drop tokens below min_p x the top probability
+        keep = probs >= meta.min_p[:, None] * probs.max(-1, keepdim=True).values
+        probs = (probs * keep).div_((probs * keep).sum(-1, keepdim=True))
     if bool(meta.greedy.any()):
         onehot = torch.zeros_like(probs).scatter_(1, logits.argmax(-1, keepdim=True), 1.0)
         probs = torch.where(meta.greedy[:, None], onehot, probs)

@@ -330,7 +330,8 @@ def verify_trees(logits: torch.Tensor, scheds, sampling: SamplingMetadata, devic
             idx.extend([r] * counts[r])
         it = torch.tensor(idx, device=sampling.temperature.device)
         sub = SamplingMetadata(sampling.temperature[it], sampling.top_k[it], sampling.top_p[it],
-                               sampling.greedy[it], [sampling.generators[i] for i in idx], False)
+                               sampling.greedy[it], [sampling.generators[i] for i in idx], False,
+                               sampling.min_p[it] if sampling.min_p is not None else None)
         probs = target_probs(logits[torch.tensor(rows, device=logits.device)], sub).cpu()
     new_tokens, accepted_rows = [], []
     for r, s in enumerate(scheds):

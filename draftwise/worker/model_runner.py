@@ -244,6 +244,9 @@ class ModelRunner:
         t2 = time.perf_counter()
         if self.hidden_recorder is not None:
             self.hidden_recorder.record(scheds, cache_pos, output)
+        from draftwise.sample.logits_processors import apply_logits_processors, needs_processing
+        if any(needs_processing(s.request.params) for s in scheds):
+            apply_logits_processors(output.logits, scheds)
         if any(s.request.grammar is not None for s in scheds):
             from draftwise.structured_output import apply_grammar_masks
             apply_grammar_masks(output.logits, scheds, self.model_cfg.vocab_size)

@@ -324,6 +324,22 @@ def test_client_disconnect_aborts_and_frees_kv(server):
     assert not engine.requests
 
 
+def test_penalties_bias_and_filters_match_offline(server, client, offline):
+    kw = dict(presence_penalty=1.2, frequency_penalty=0.6, logit_bias={"20": 5, "2": -100}, max_tokens=24,
+              temperature=0)
+    extra = {"repetition_penalty": 1.3, "min_p": 0.05, "min_tokens": 10, "bad_words": ["the"]}
+    r = client.completions.create(model=NAME, prompt=PROMPTS[1], extra_body=extra, **kw)
+    sp = greedy(24, presence_penalty=1.2, frequency_penalty=0.6, logit_bias={20: 5.0, 2: -100.0},
+                repetition_penalty=1.3, min_p=0.05, min_tokens=10, bad_words=["the"])
+    (want,) = offline.generate([PROMPTS[1]], sp)
+    assert r.choices[0].text == want.outputs[0].text
+    for bad in ({"logit_bias": {"x": 1}}, {"logit_bias": {"999999": 1}}, {"presence_penalty": 3},
+                {"min_p": 2}, {"allowed_token_ids": []}, {"allowed_token_ids": [10 ** 7]}, {"bad_words": [""]},
+                {"repetition_penalty": 0}, {"min_tokens": -1}):
+        resp = httpx.post(server.url + "/v1/completions", json={"model": NAME, "prompt": "a", "max_tokens": 2, **bad})
+        assert resp.status_code == 400 and resp.json()["error"]["message"], bad
+
+
 def test_tokenize_and_detokenize(server, client):
     msgs = [{"role": "user", "content": "Hello there!"}]
     t = httpx.post(server.url + "/tokenize", json={"model": NAME, "messages": msgs}).json()

@@ -2,8 +2,8 @@
 declarative, and `/openapi.json` describes the real API.
 
 Strict types: a string where a number is expected is an error, not a coercion. Fields the engine
-does not support are accepted only at their neutral value (n = 1, penalties 0, no logit_bias, no
-echo) and otherwise rejected with a message that says so. Extensions (as in vLLM): `top_k`,
+does not support are accepted only at their neutral value (n = 1, best_of = 1, no echo) and
+otherwise rejected with a message that says so. Extensions (as in vLLM): `top_k`,
 `ignore_eos`; draftwise's own: `speculate` (false: decode this request without drafts) and
 `include_spec_trace` (also `stream_options.include_spec_trace`: each choice carries `spec_trace`,
 the spans of its text with, per token, whether it was an accepted draft, the drafter and the
@@ -87,9 +87,9 @@ class SamplingRequest(OpenAIModel):
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     n: StrictInt = 1
-    presence_penalty: Number = 0
-    frequency_penalty: Number = 0
-    logit_bias: dict[str, Number] | None = None
+    presence_penalty: Annotated[Number, Field(ge=-2, le=2)] = 0
+    frequency_penalty: Annotated[Number, Field(ge=-2, le=2)] = 0
+    logit_bias: dict[str, Annotated[Number, Field(ge=-100, le=100)]] | None = None
     user: StrictStr | None = None
     ignore_eos: StrictBool = False
     speculate: StrictBool = True
@@ -134,33 +134,11 @@ class SamplingRequest(OpenAIModel):
     def wants_spec_trace(self) -> bool:
         return self.include_spec_trace or bool(self.stream_options and self.stream_options.include_spec_trace)
 
-    # fields of vLLM's / OpenAI's API not supported yet: refused by name unless at their neutral value
-    min_p: Number = 0
-    repetition_penalty: Number = 1
-    min_tokens: StrictInt = 0
-    bad_words: list[StrictStr] | None = None
-    allowed_token_ids: list[StrictInt] | None = None
-
-    @field_validator("min_p", "min_tokens")
-    @classmethod
-    def _zero_only(cls, v, info):
-        if v != 0:
-            raise ValueError(f"{info.field_name} is not supported yet (only 0)")
-        return v
-
-    @field_validator("repetition_penalty")
-    @classmethod
-    def _one_only(cls, v):
-        if v != 1:
-            raise ValueError("repetition_penalty is not supported yet (only 1)")
-        return v
-
-    @field_validator("bad_words", "allowed_token_ids")
-    @classmethod
-    def _empty_only(cls, v, info):
-        if v:
-            raise ValueError(f"{info.field_name} is not supported yet")
-        return v
+    min_p: Annotated[Number, Field(ge=0, le=1)] = 0
+    repetition_penalty: Annotated[Number, Field(gt=0, le=10)] = 1
+    min_tokens: Annotated[StrictInt, Field(ge=0)] = 0
+    bad_words: list[Annotated[Text, Field(min_length=1)]] | None = None
+    allowed_token_ids: Annotated[list[Annotated[StrictInt, Field(ge=0)]], Field(min_length=1)] | None = None
 
     @field_validator("n")
     @classmethod
@@ -169,18 +147,11 @@ class SamplingRequest(OpenAIModel):
             raise ValueError("only n=1 is supported")
         return v
 
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _no_penalty(cls, v):
-        if v != 0:
-            raise ValueError("penalties are not supported (only 0)")
-        return v
-
     @field_validator("logit_bias")
     @classmethod
-    def _no_bias(cls, v):
-        if v:
-            raise ValueError("logit_bias is not supported")
+    def _token_id_keys(cls, v):
+        if v and any(not k.isdigit() for k in v):
+            raise ValueError("logit_bias keys must be token ids (strings of digits)")
         return v
 
     @field_validator("stop")

@@ -429,6 +429,10 @@ def sampling_kwargs(req: P.SamplingRequest, chat: bool) -> dict:
     kw = {"max_tokens": max_tokens, "temperature": float(req.temperature), "top_p": float(req.top_p),
           "top_k": req.top_k, "seed": req.seed, "stop": req.stop_list(), "ignore_eos": req.ignore_eos,
           "speculate": req.speculate, "spec_trace": req.wants_spec_trace(),
+          "presence_penalty": float(req.presence_penalty), "frequency_penalty": float(req.frequency_penalty),
+          "repetition_penalty": float(req.repetition_penalty), "min_p": float(req.min_p),
+          "logit_bias": {int(k): float(v) for k, v in req.logit_bias.items()} if req.logit_bias else None,
+          "min_tokens": req.min_tokens, "bad_words": req.bad_words, "allowed_token_ids": req.allowed_token_ids,
           "logprobs": req.num_logprobs() if chat else req.logprobs}
     from draftwise.structured_output import StructuredOutputParams
     spec = None
@@ -494,6 +498,10 @@ class PromptPreparer:
         vocab = engine.model_cfg.vocab_size
         if any(t < 0 or t >= vocab for t in ids):
             raise APIError(f"prompt token ids must be in [0, {vocab})", param=param, code="invalid_value")
+        for name in ("logit_bias", "allowed_token_ids"):
+            if any(t >= vocab for t in (sampling.get(name) or ())):
+                raise APIError(f"{name} has token ids outside the vocabulary [0, {vocab})", param=name,
+                               code="invalid_value")
         room = max_len - len(ids)
         mt = sampling.get("max_tokens")
         if mt is not None and len(ids) + mt > max_len:
