@@ -256,8 +256,18 @@ def run_bench(args) -> list[dict]:
 
 
 def machine_description() -> str:
-    return f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, " \
-           f"{torch.get_num_threads()} threads"
+    """CPU model, cores, the ISA the kernels care about (torch's capability and the AVX-512 / AMX
+    flags), torch and threads: every figure is reported with it."""
+    from draftwise.machine import isa_summary
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), model)
+    except OSError:
+        pass
+    return (f"{model}, {os.cpu_count()} cores, ISA {torch.backends.cpu.get_cpu_capability()} "
+            f"[{isa_summary() or 'no AVX2/AVX-512/AMX flags'}], torch {torch.__version__}, "
+            f"{torch.get_num_threads()} threads")
 
 
 def to_markdown(results: list[dict], args) -> str:
