@@ -36,8 +36,8 @@ def bad_input_cases(model: str, max_request_bytes: int = 1 << 20) -> list[tuple[
     for field, values in {
         "top_k": [-2, 1.5, "5", True], "top_p": [0, -0.1, 1.5, "x", None], "temperature": [-1, "hot", [1]],
         "max_tokens": [0, -5, 2 ** 63, 1.5, "10"], "seed": [2 ** 64, -(2 ** 63) - 1, 1.5, "7"],
-        "logprobs": [21, -1, "a"], "n": [2, 0], "stop": ["", [""], [1], {"a": 1}],
-        "presence_penalty": [5.0], "logit_bias": [{"5": 1000}, {"x": 1}], "echo": [True], "best_of": [3],
+        "logprobs": [21, -1, "a"], "n": [17, 0], "stop": ["", [""], [1], {"a": 1}],
+        "presence_penalty": [5.0], "logit_bias": [{"5": 1000}, {"x": 1}], "echo": ["yes"], "best_of": [0, 17],
         "stream": ["yes"], "stream_options": [{"include_usage": "no"}], "model": ["no-such-model", 5],
         "prompt": [[], "", [-1], [10 ** 12], [[1], [2]], 5, None],
     }.items():

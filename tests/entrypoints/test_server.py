@@ -234,7 +234,7 @@ BAD = [
     ("completions", {"model": NAME, "prompt": "hi", "temperature": -1}, "negative temperature"),
     ("completions", {"model": NAME, "prompt": "hi", "top_p": 0}, "top_p zero"),
     ("completions", {"model": NAME, "prompt": "hi", "top_k": -5}, "bad top_k"),
-    ("completions", {"model": NAME, "prompt": "hi", "n": 2}, "n > 1"),
+    ("completions", {"model": NAME, "prompt": "hi", "n": 17}, "n > 16"),
     ("completions", {"model": NAME, "prompt": "hi", "stop": 3}, "stop wrong type"),
     ("completions", {"model": NAME, "prompt": "hi", "seed": "x"}, "seed wrong type"),
     ("completions", {"model": NAME, "prompt": "hi", "stream": "yes"}, "stream wrong type"),

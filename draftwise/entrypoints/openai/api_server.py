@@ -30,7 +30,7 @@ from fastapi import Request
 from draftwise.entrypoints.openai import protocol as P
 from draftwise.entrypoints.openai.serving import (COMPLETION_DEFAULT_MAX_TOKENS, APIError, EngineLoop,
                                                   PromptPreparer, ServerMetrics, Submission, TextDelta, TraceCursor, timings,
-                                                  tool_calls_from,
+                                                  tool_calls_from, merged_usage,
                                                   TokenStrings,
                                                   chat_logprobs, chat_messages, completion_logprobs,
                                                   finish_reason, full_response, sampling_kwargs, sse, usage)
@@ -325,6 +325,10 @@ def build_app(llm, served_model_name: str, api_key: str | None = None, max_reque
                     raise APIError(str(e), param="tool_choice", code="invalid_value") from None
                 messages, prompt = chat_messages(body), None
             else:
+                try:
+                    body.check_choices()
+                except ValueError as e:
+                    raise APIError(str(e), param="best_of", code="invalid_value") from None
                 messages, prompt = None, body.single_prompt()
             sampling = sampling_kwargs(body, chat)
             text, ids, default_max = await asyncio.to_thread(
@@ -334,6 +338,11 @@ def build_app(llm, served_model_name: str, api_key: str | None = None, max_reque
             raise
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        echo = None if chat or not body.echo else (text if text is not None else llm.engine.tokenizer.decode(ids))
+        n, best_of = body.n, (body.best_of or body.n) if not chat else body.n
+        if best_of > 1:
+            return await _generate_many(request, body, rid, model, chat, text, ids, sampling, default_max,
+                                        include_usage, tools, n, best_of, echo)
         sub = Submission(rid, text, ids, sampling, default_max, asyncio.get_running_loop(), asyncio.Queue())
         created = int(time.time())
         done = False
@@ -341,16 +350,102 @@ def build_app(llm, served_model_name: str, api_key: str | None = None, max_reque
             q = await state.engine_loop.submit(sub)     # APIError (400/500/503) propagates
             if body.stream:
                 done = True            # the response owns the request from here (aborts it if cut short)
-                return SSEResponse(_stream_events(q, rid, model, created, chat, include_usage, sampling["stop"], tools),
+                return SSEResponse(_stream_events(q, rid, model, created, chat, include_usage, sampling["stop"], tools,
+                                                  echo=echo),
                                    on_abort=lambda: state.engine_loop.abort(rid))
             final = await _wait_final(request, q)
             done = True
-            return full_response(final, rid, model, created, chat, strings, tools)
+            return _echoed(full_response(final, rid, model, created, chat, strings, tools), echo)
         finally:
             if not done:
                 state.engine_loop.abort(rid)
 
-    async def _stream_events(q, rid, model, created, chat, include_usage, stop, tools=None):
+    async def _generate_many(request, body, rid, model, chat, text, ids, sampling, default_max, include_usage,
+                             tools, n, best_of, echo):
+        """n choices (best_of >= n candidates, the n with the highest cumulative log-probability):
+        one engine request per candidate, seeds seed, seed + 1, ... when a seed is given."""
+        loop = asyncio.get_running_loop()
+        rank = best_of > n
+        subs = []
+        for i in range(best_of):
+            s = dict(sampling)
+            if s.get("seed") is not None:
+                s["seed"] = s["seed"] + i if s["seed"] + i < 2 ** 64 else s["seed"] - i
+            if rank and s.get("logprobs") is None:
+                s["logprobs"] = 0                # the ranking needs every token's log-probability
+            subs.append(Submission(f"{rid}-{i}", text, ids, s, default_max, loop, asyncio.Queue()))
+        created = int(time.time())
+        queues, owned = [], False
+        try:
+            for sub in subs:
+                queues.append(await state.engine_loop.submit(sub))
+            if body.stream:
+                owned = True
+                gens = [_stream_events(q, rid, model, created, chat, include_usage, sampling["stop"], tools,
+                                       index=i, trailer=False, echo=echo) for i, q in enumerate(queues)]
+                return SSEResponse(_merge_streams(gens, rid, model, created, chat, include_usage),
+                                   on_abort=lambda: [state.engine_loop.abort(s.request_id) for s in subs])
+            finals = await _wait_finals(request, queues)
+            owned = True
+        finally:
+            if not owned:
+                for s in subs:
+                    state.engine_loop.abort(s.request_id)
+        if rank:
+            def score(o):
+                return sum(t.logprob for t in (o.outputs[0].logprobs or []))
+            finals = sorted(finals, key=score, reverse=True)[:n]
+            if sampling.get("logprobs") is None:
+                for o in finals:
+                    o.outputs[0].logprobs = None
+        resps = [_echoed(full_response(f, rid, model, created, chat, strings, tools), echo) for f in finals]
+        first = resps[0]
+        for i, r in enumerate(resps):
+            r.choices[0].index = i
+        first.choices = [r.choices[0] for r in resps]
+        first.usage = merged_usage(finals)
+        first.timings = None
+        return first
+
+    async def _merge_streams(gens, rid, model, created, chat, include_usage):
+        """The events of several choices' streams as one stream; usage and [DONE] once, at the end."""
+        q: asyncio.Queue = asyncio.Queue()
+        end = object()
+        finals: list = []
+
+        async def pump(g):
+            try:
+                async for ev in g:
+                    await q.put(ev)
+            finally:
+                await q.put(end)
+        tasks = [asyncio.ensure_future(pump(g)) for g in gens]
+        ended = finished = 0
+        try:
+            while ended < len(gens):
+                ev = await q.get()
+                if ev is end:
+                    ended += 1
+                elif isinstance(ev, tuple):            # (_FINISHED, the finished output)
+                    finished += 1
+                    finals.append(ev[1])
+                else:
+                    yield ev
+            if finished == len(gens):
+                if include_usage:
+                    cls = P.ChatCompletionStreamResponse if chat else P.CompletionStreamResponse
+                    yield sse(cls(id=rid, created=created, model=model, choices=[], usage=merged_usage(finals)))
+                yield _FINISHED
+            yield "data: [DONE]\n\n"
+        finally:
+            for t in tasks:
+                t.cancel()
+            for g in gens:
+                with contextlib.suppress(Exception):
+                    await g.aclose()
+
+    async def _stream_events(q, rid, model, created, chat, include_usage, stop, tools=None, index=0, trailer=True,
+                             echo=None):
         delta = TextDelta(stop)
         sent = 0                                  # logprobs already streamed
         offset = 0
@@ -359,17 +454,20 @@ def build_app(llm, served_model_name: str, api_key: str | None = None, max_reque
         def chunk(text: str | None, finish=None, lps=None, role=None, trace=None, times=None):
             nonlocal offset
             if chat:
-                c = P.ChatStreamChoice(index=0, delta=P.DeltaMessage(role=role, content=text),
+                c = P.ChatStreamChoice(index=index, delta=P.DeltaMessage(role=role, content=text),
                                        logprobs=chat_logprobs(lps, strings), finish_reason=finish, spec_trace=trace)
                 return sse(P.ChatCompletionStreamResponse(id=rid, created=created, model=model, choices=[c],
                                                           timings=times))
-            c = P.CompletionChoice(index=0, text=text or "", logprobs=completion_logprobs(lps, strings, offset),
+            c = P.CompletionChoice(index=index, text=text or "",
+                                   logprobs=completion_logprobs(lps, strings, offset),
                                    finish_reason=finish, spec_trace=trace)
             offset += len(text or "")
             return sse(P.CompletionStreamResponse(id=rid, created=created, model=model, choices=[c], timings=times))
 
         if chat:
             yield chunk("", role="assistant")
+        if echo:
+            yield chunk(echo)
         while True:
             kind, payload = await q.get()
             if kind in ("error", "shutdown"):
@@ -377,6 +475,8 @@ def build_app(llm, served_model_name: str, api_key: str | None = None, max_reque
                     "the server shut down before the request finished", 503, type="server_error",
                     code="shutting_down")
                 yield sse(err.body())
+                if not trailer:
+                    return
                 break
             out = payload
             comp = out.outputs[0]
@@ -393,11 +493,14 @@ def build_app(llm, served_model_name: str, api_key: str | None = None, max_reque
                 calls = tool_calls_from(comp.text, tools) if finish_reason(comp.finish_reason) == "stop" else None
                 if calls is not None:
                     delta_calls = [P.DeltaToolCall(index=i, **c.model_dump()) for i, c in enumerate(calls)]
-                    c = P.ChatStreamChoice(index=0, delta=P.DeltaMessage(tool_calls=delta_calls))
+                    c = P.ChatStreamChoice(index=index, delta=P.DeltaMessage(tool_calls=delta_calls))
                     yield sse(P.ChatCompletionStreamResponse(id=rid, created=created, model=model, choices=[c]))
-                    c = P.ChatStreamChoice(index=0, delta=P.DeltaMessage(), finish_reason="tool_calls")
+                    c = P.ChatStreamChoice(index=index, delta=P.DeltaMessage(), finish_reason="tool_calls")
                     yield sse(P.ChatCompletionStreamResponse(id=rid, created=created, model=model, choices=[c],
-                                                             timings=timings(out)))
+                                                             timings=timings(out) if trailer else None))
+                    if not trailer:
+                        yield (_FINISHED, out)
+                        return
                     if include_usage:
                         yield sse(P.ChatCompletionStreamResponse(id=rid, created=created, model=model, choices=[],
                                                                  usage=usage(out)))
@@ -409,7 +512,11 @@ def build_app(llm, served_model_name: str, api_key: str | None = None, max_reque
                 if chat and (d or lps or trace):
                     yield chunk(d, lps=lps, trace=trace)
                     lps, trace = None, None
-                yield chunk(None if chat else d, fr, lps=None if chat else lps, trace=trace, times=timings(out))
+                yield chunk(None if chat else d, fr, lps=None if chat else lps, trace=trace,
+                            times=timings(out) if trailer else None)
+                if not trailer:                 # one of several choices: the merge ends the stream
+                    yield (_FINISHED, out)
+                    return
                 if include_usage:
                     cls = P.ChatCompletionStreamResponse if chat else P.CompletionStreamResponse
                     yield sse(cls(id=rid, created=created, model=model, choices=[], usage=usage(out)))
@@ -483,6 +590,43 @@ async def _wait_final(request, q: asyncio.Queue):
                 return payload
     finally:
         gone.cancel()
+
+
+async def _final_of(q: asyncio.Queue):
+    while True:
+        kind, payload = await q.get()
+        if kind == "error":
+            raise payload
+        if kind == "shutdown" or payload.finished:
+            return payload
+
+
+async def _wait_finals(request, queues: list) -> list:
+    """The finished outputs of several requests (one client request's choices), in order; raises
+    if the client goes away first (the caller then aborts them)."""
+    gone = asyncio.ensure_future(_wait_disconnect(request))
+    pending = {asyncio.ensure_future(_final_of(q)): i for i, q in enumerate(queues)}
+    finals: list = [None] * len(queues)
+    try:
+        while pending:
+            done, _ = await asyncio.wait(set(pending) | {gone}, return_when=asyncio.FIRST_COMPLETED)
+            if gone in done:
+                raise APIError("client disconnected", 499, code="client_disconnected")
+            for t in done:
+                finals[pending.pop(t)] = t.result()
+        return finals
+    finally:
+        gone.cancel()
+        for t in pending:
+            t.cancel()
+
+
+def _echoed(resp, echo: str | None):
+    """echo (completions): the prompt's text before the answer."""
+    if echo:
+        for c in resp.choices:
+            c.text = echo + c.text
+    return resp
 
 
 async def _wait_disconnect(request) -> None:

@@ -2,8 +2,7 @@
 declarative, and `/openapi.json` describes the real API.
 
 Strict types: a string where a number is expected is an error, not a coercion. Fields the engine
-does not support are accepted only at their neutral value (n = 1, best_of = 1, no echo) and
-otherwise rejected with a message that says so. Extensions (as in vLLM): `top_k`,
+does not support are rejected with a message that names them. Extensions (as in vLLM): `top_k`,
 `ignore_eos`; draftwise's own: `speculate` (false: decode this request without drafts) and
 `include_spec_trace` (also `stream_options.include_spec_trace`: each choice carries `spec_trace`,
 the spans of its text with, per token, whether it was an accepted draft, the drafter and the
@@ -86,7 +85,7 @@ class SamplingRequest(OpenAIModel):
     stop: Text | list[Text] | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    n: StrictInt = 1
+    n: Annotated[StrictInt, Field(ge=1, le=16)] = 1
     presence_penalty: Annotated[Number, Field(ge=-2, le=2)] = 0
     frequency_penalty: Annotated[Number, Field(ge=-2, le=2)] = 0
     logit_bias: dict[str, Annotated[Number, Field(ge=-100, le=100)]] | None = None
@@ -140,13 +139,6 @@ class SamplingRequest(OpenAIModel):
     bad_words: list[Annotated[Text, Field(min_length=1)]] | None = None
     allowed_token_ids: Annotated[list[Annotated[StrictInt, Field(ge=0)]], Field(min_length=1)] | None = None
 
-    @field_validator("n")
-    @classmethod
-    def _one_choice(cls, v):
-        if v != 1:
-            raise ValueError("only n=1 is supported")
-        return v
-
     @field_validator("logit_bias")
     @classmethod
     def _token_id_keys(cls, v):
@@ -171,14 +163,7 @@ class CompletionRequest(SamplingRequest):
     logprobs: Annotated[StrictInt, Field(ge=0, le=20)] | None = None
     echo: StrictBool = False
     suffix: StrictStr | None = None
-    best_of: StrictInt = 1
-
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, v):
-        if v:
-            raise ValueError("echo is not supported")
-        return v
+    best_of: Annotated[StrictInt, Field(ge=1, le=16)] | None = None      # None: n
 
     @field_validator("suffix")
     @classmethod
@@ -187,12 +172,15 @@ class CompletionRequest(SamplingRequest):
             raise ValueError("suffix is not supported")
         return v
 
-    @field_validator("best_of")
-    @classmethod
-    def _one_best(cls, v):
-        if v != 1:
-            raise ValueError("only best_of=1 is supported")
-        return v
+    def check_choices(self) -> None:
+        """best_of >= n (at most 16), no streaming with best_of > n, no echo with logprobs."""
+        best = self.best_of or self.n
+        if best < self.n:
+            raise ValueError(f"best_of must be at least n, got best_of={best}, n={self.n}")
+        if self.stream and best > self.n:
+            raise ValueError("best_of > n cannot be streamed (the best choices are known only at the end)")
+        if self.echo and self.logprobs is not None:
+            raise ValueError("echo together with logprobs (prompt logprobs) is not supported yet")
 
     def single_prompt(self) -> str | list[int]:
         p = self.prompt

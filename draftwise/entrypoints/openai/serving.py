@@ -573,6 +573,22 @@ def usage(out) -> P.UsageInfo:
     return P.UsageInfo(prompt_tokens=p, completion_tokens=c, total_tokens=p + c, spec_decode=spec)
 
 
+def merged_usage(outs) -> P.UsageInfo:
+    """Usage of several choices of one request: the prompt once, completions and drafts summed."""
+    us = [usage(o) for o in outs]
+    specs = [u.spec_decode for u in us if u.spec_decode is not None]
+    spec = None
+    if specs:
+        drafts = sum(s.num_drafts for s in specs)
+        acc = sum(s.num_accepted_tokens for s in specs)
+        spec = P.SpecDecodeUsage(num_drafts=drafts, num_draft_tokens=sum(s.num_draft_tokens for s in specs),
+                                 num_accepted_tokens=acc,
+                                 mean_acceptance_length=round(1 + acc / drafts, 4) if drafts else 1.0)
+    c = sum(u.completion_tokens for u in us)
+    return P.UsageInfo(prompt_tokens=us[0].prompt_tokens, completion_tokens=c,
+                       total_tokens=us[0].prompt_tokens + c, spec_decode=spec)
+
+
 def completion_logprobs(lps, strings: TokenStrings, offset: int = 0) -> P.CompletionLogprobs | None:
     if lps is None:
         return None
