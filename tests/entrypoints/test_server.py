@@ -274,7 +274,7 @@ def test_bad_inputs_get_400_and_server_keeps_serving(server, client):
         client.chat.completions.create(model=NAME, messages=[], max_tokens=2)
     assert e.value.status_code == 400
     with pytest.raises(openai.BadRequestError):
-        client.completions.create(model=NAME, prompt="hi", max_tokens=5, temperature=0, n=2)
+        client.completions.create(model=NAME, prompt="hi", max_tokens=5, temperature=0, n=2, best_of=1)
     with pytest.raises(openai.BadRequestError, match="maximum context length"):
         client.completions.create(model=NAME, prompt="hi", max_tokens=MAX_LEN)
 
