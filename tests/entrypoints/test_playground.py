@@ -69,7 +69,7 @@ class SlowSteps:
 
 @pytest.fixture(scope="module")
 def served(model_dir):
-    llm = LLM(model_dir, speculative_config=SPEC, **ENGINE_KW)
+    llm = LLM(model_dir, speculative_config=SPEC, **{**ENGINE_KW, "max_model_len": 1024})
     slow = SlowSteps(llm.engine)
     llm.engine.step = slow
     app = build_app(llm, NAME)
@@ -189,6 +189,27 @@ def test_side_by_side_greedy_texts_are_identical(page, served):
     assert page.get_attribute("#compare-result .verdict", "data-identical") == "true"
     texts = page.eval_on_selector_all("#compare-result .msg .body", "els => els.map(e => e.textContent)")
     assert len(texts) == 2 and texts[0] == texts[1] and texts[0]
+
+
+def test_structured_output_and_tool_settings(page, served):
+    """The page sends the structured-output and tool fields from its settings."""
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+              "required": ["n"], "additionalProperties": False}
+    page.select_option("#response_format", "json_schema")
+    page.fill("#json_schema", json.dumps(schema))
+    _settings(page, temperature=0, max_tokens=40)
+    _send(page, "A number please")
+    assert json.loads(_last_answer(page)["text"])["n"] in range(10)
+    page.select_option("#response_format", "text")
+    page.click("#clear")                        # the tool list makes the prompt long: a fresh conversation
+    tool = {"type": "function", "function": {"name": "pick", "parameters": schema}}
+    page.fill("#tools", json.dumps([tool]))
+    page.select_option("#tool_choice", "required")
+    _send(page, "Call the tool")
+    assert _last_answer(page)["text"].startswith("tool call: pick("), page.text_content("#error")
+    page.fill("#tools", "[not json")
+    _send(page, "again")
+    assert "not valid JSON" in page.text_content("#error") and page.is_enabled("#send")
 
 
 def test_history_and_settings_survive_a_reload(page, served):

@@ -7,7 +7,8 @@
   const $ = (id) => document.getElementById(id);
   const STORE = "draftwise.playground.v1";
   const KEY_STORE = "draftwise.playground.api_key";
-  const NUMBERS = ["temperature", "top_p", "top_k", "max_tokens", "seed"];
+  const NUMBERS = ["temperature", "top_p", "top_k", "max_tokens", "seed", "response_format", "json_schema",
+    "tools", "tool_choice"];
   const CHECKS = ["speculate", "markdown"];
   const HINTS = {
     400: "The server refused the request",
@@ -57,11 +58,31 @@
     return h;
   }
 
+  function parsedSetting(id, what) {
+    try {
+      return JSON.parse($(id).value);
+    } catch (e) {
+      const err = new Error("The " + what + " in Settings is not valid JSON: " + e.message);
+      err.status = 0;
+      throw err;
+    }
+  }
+
   function samplingFields(speculate) {
     const body = { speculate: speculate };
     const num = (k) => ($(k).value === "" ? null : Number($(k).value));
     for (const k of ["temperature", "top_p"]) if (num(k) !== null) body[k] = num(k);
     for (const k of ["top_k", "max_tokens", "seed"]) if (num(k) !== null) body[k] = Math.trunc(num(k));
+    const fmt = $("response_format").value;
+    if (fmt === "json_object") body.response_format = { type: "json_object" };
+    if (fmt === "json_schema") {
+      body.response_format = { type: "json_schema",
+        json_schema: { name: "schema", schema: parsedSetting("json_schema", "JSON schema") } };
+    }
+    if ($("tools").value.trim()) {
+      body.tools = parsedSetting("tools", "tools list");
+      body.tool_choice = $("tool_choice").value;
+    }
     return body;
   }
 
@@ -131,6 +152,13 @@
     return el;
   }
 
+  function toolSpan(text) {
+    const el = document.createElement("span");
+    el.className = "toolcall";
+    el.textContent = text;
+    return el;
+  }
+
   function fillBody(body, msg) {
     body.replaceChildren();
     const md = msg.role === "assistant" && $("markdown").checked;
@@ -139,6 +167,7 @@
       body.appendChild(window.renderMarkdown(msg.content || ""));
     } else if (msg.role === "assistant" && Array.isArray(msg.trace)) {
       for (const sp of msg.trace) body.appendChild(tokenSpan(sp));
+      if (msg.toolCalls) body.appendChild(toolSpan(msg.toolCalls));
     } else {
       body.textContent = msg.content || "";
     }
@@ -248,6 +277,12 @@
         const ch = obj.choices && obj.choices[0];
         if (ch) {
           const text = ch.delta && ch.delta.content;
+          for (const call of (ch.delta && ch.delta.tool_calls) || []) {
+            const t = "tool call: " + call.function.name + "(" + call.function.arguments + ")";
+            msg.toolCalls = (msg.toolCalls || "") + t;
+            msg.content += t;
+            body.appendChild(toolSpan(t));
+          }
           if (text) {
             if (tFirst === null) tFirst = performance.now();
             msg.content += text;
