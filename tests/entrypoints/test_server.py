@@ -340,6 +340,23 @@ def test_penalties_bias_and_filters_match_offline(server, client, offline):
         assert resp.status_code == 400 and resp.json()["error"]["message"], bad
 
 
+def test_openai_client_response_format_n_and_logit_bias(server, client):
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    r = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=30,
+                                       temperature=0, response_format={"type": "json_schema", "json_schema": {
+                                           "name": "s", "schema": schema}})
+    assert isinstance(json.loads(r.choices[0].message.content)["ok"], bool)
+    r = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=30,
+                                       temperature=0, response_format={"type": "json_object"})
+    assert r.choices[0].finish_reason == "length" or isinstance(json.loads(r.choices[0].message.content), dict)
+    r = client.completions.create(model=NAME, prompt="hi", max_tokens=6, temperature=0.9, seed=5, n=3,
+                                  logit_bias={"20": 100})
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    forced = server.llm.tokenizer.decode([20] * 6)          # a +100 bias makes token 20 certain
+    assert all(c.text == forced for c in r.choices)
+
+
 def test_tokenize_and_detokenize(server, client):
     msgs = [{"role": "user", "content": "Hello there!"}]
     t = httpx.post(server.url + "/tokenize", json={"model": NAME, "messages": msgs}).json()
