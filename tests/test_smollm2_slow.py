@@ -111,3 +111,41 @@ def test_structured_outputs_validate_on_smollm2():
     choices = ["positive", "negative", "neutral"]
     for o in spec_llm.chat(q, SamplingParams(temperature=0, max_tokens=10, structured_output=S(choice=choices))):
         assert o.outputs[0].text in choices
+
+
+@pytest.mark.parametrize("kw", [dict(presence_penalty=1.0, frequency_penalty=0.5), dict(repetition_penalty=1.3),
+                                dict(min_tokens=48, logit_bias={28: 2.0}),
+                                dict(bad_words=["the", "The"], min_p=0.1)])
+def test_penalties_are_lossless_on_smollm2(kw):
+    """MT-bench prompts, the default configuration (suffix decoding, int4) against plain decoding
+    with the same parameters."""
+    prompts = [[{"role": "user", "content": q}] for q in _mt_prompts(4)]
+    sp = SamplingParams(temperature=0, max_tokens=96, **kw)
+    spec = LLM(max_model_len=1024, max_num_seqs=4)
+    plain = LLM(max_model_len=1024, max_num_seqs=4, speculative_config=None)
+    got = [o.outputs[0].token_ids for o in spec.chat(prompts, sp)]
+    assert got == [o.outputs[0].token_ids for o in plain.chat(prompts, sp)]
+    assert got != [o.outputs[0].token_ids for o in plain.chat(prompts, SamplingParams(temperature=0, max_tokens=96))]
+
+
+def test_required_tool_call_validates_on_smollm2():
+    import jsonschema
+    from draftwise.entrypoints.openai.api_server import build_app
+    from tests.helpers import ServerThread
+    openai = pytest.importorskip("openai")
+    weather = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30},
+                                                "unit": {"enum": ["celsius", "fahrenheit"]}},
+               "required": ["city", "unit"], "additionalProperties": False}
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": weather}},
+             {"type": "function", "function": {"name": "get_time", "parameters": {
+                 "type": "object", "properties": {"timezone": {"type": "string", "maxLength": 30}},
+                 "required": ["timezone"], "additionalProperties": False}}}]
+    with ServerThread(build_app(LLM(max_model_len=1024, max_num_seqs=4), "smol")) as srv:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=120)
+        for q in ["What is the weather in Paris in celsius?", "What time is it in Tokyo?",
+                  "Is it raining in London?"]:
+            r = client.chat.completions.create(model="smol", messages=[{"role": "user", "content": q}],
+                                               tools=tools, tool_choice="required", max_tokens=96, temperature=0)
+            (call,) = r.choices[0].message.tool_calls
+            schema = {t["function"]["name"]: t["function"]["parameters"] for t in tools}[call.function.name]
+            jsonschema.validate(json.loads(call.function.arguments), schema)

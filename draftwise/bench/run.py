@@ -66,11 +66,24 @@ def add_bench_args(p) -> None:
     p.add_argument("--rounds", type=int, default=1, help="sweep: repeat the sweep, report medians")
 
 
+def _split_methods(s: str) -> list[str]:
+    """Comma-separated items; commas inside a JSON object (name={...}) do not split."""
+    items, depth, cur = [], 0, ""
+    for ch in s:
+        depth += ch in "{[" and 1 or (-1 if ch in "}]" else 0)
+        if ch == "," and depth == 0:
+            items.append(cur)
+            cur = ""
+        else:
+            cur += ch
+    return items + [cur]
+
+
 def parse_methods(s: str, default_quantization: str | None = None) -> list[tuple[str, object, str | None]]:
     """(name, speculative config or peer name, quantization) per comma-separated item: a preset,
     a peer, or name=JSON; a suffix @int8 / @int4 runs it on the quantized target."""
     out = []
-    for item in s.split(","):
+    for item in _split_methods(s):
         item = item.strip()
         if not item:
             continue
