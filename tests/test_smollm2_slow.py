@@ -149,3 +149,27 @@ def test_required_tool_call_validates_on_smollm2():
             (call,) = r.choices[0].message.tool_calls
             schema = {t["function"]["name"]: t["function"]["parameters"] for t in tools}[call.function.name]
             jsonschema.validate(json.loads(call.function.arguments), schema)
+
+
+@pytest.mark.parametrize("spec", [{"method": "eagle3"}, {"method": "ngram", "num_speculative_tokens": 5},
+                                  {"method": "dflash"},
+                                  {"method": "eagle3", "num_speculative_tokens": 3, "hybrid": "suffix"}])
+def test_constraints_and_penalties_are_lossless_for_every_drafter_on_smollm2(spec):
+    """The shipped drafters and the training-free ones, on MT-bench prompts (penalties, choice) and
+    the first JSON-schema prompts: greedy output equals plain decoding with the same settings."""
+    from draftwise.bench.json_schemas import load_json_schema_prompts
+    from draftwise.structured_output import StructuredOutputParams as S
+    qs = [[{"role": "user", "content": q}] for q in _mt_prompts(3)]
+    js = load_json_schema_prompts(3)
+    cases = [(qs, SamplingParams(temperature=0, max_tokens=64, presence_penalty=0.8, repetition_penalty=1.2,
+                                 logit_bias={28: 1.5})),
+             (qs, SamplingParams(temperature=0, max_tokens=8,
+                                 structured_output=S(choice=["positive", "negative", "neutral"]))),
+             ([[{"role": "user", "content": c[0]}] for c in js],
+              [SamplingParams(temperature=0, max_tokens=200, structured_output=S(json=c[0].schema)) for c in js])]
+    llm = LLM(max_model_len=1024, max_num_seqs=4, speculative_config=spec)
+    plain = LLM(max_model_len=1024, max_num_seqs=4, speculative_config=None)
+    for prompts, sp in cases:
+        assert [o.outputs[0].token_ids for o in llm.chat(prompts, sp)] == \
+            [o.outputs[0].token_ids for o in plain.chat(prompts, sp)]
+    assert llm.get_metrics()["spec_decode"]["num_drafts"] > 0

@@ -54,9 +54,45 @@ def test_required_picks_one_of_the_tools_and_streams(client):
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
-def test_auto_and_bad_choices_are_refused(client):
-    for kw, what in (({"tools": [WEATHER]}, "auto"),
-                     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "nope"),
+AUTO_CALL = r'Sure\.<tool_call>\{"name":"get_weather","arguments":\{"city":"[a-z]{2,5}","unit":"c"\}\}</tool_call>'
+
+
+def test_auto_parses_tool_call_blocks_streamed_or_not(client):
+    """auto: the model's own <tool_call> blocks become tool_calls (a regex makes this tiny model write
+    one); the text before the block stays the content; streamed the same."""
+    kw = dict(model="t", messages=MSGS, tools=[WEATHER, TIME], max_tokens=200, temperature=0,
+              extra_body={"guided_regex": AUTO_CALL})
+    r = client.chat.completions.create(**kw)
+    c = r.choices[0]
+    assert c.finish_reason == "tool_calls" and c.message.content == "Sure."
+    (call,) = c.message.tool_calls
+    assert call.function.name == "get_weather"
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+    chunks = list(client.chat.completions.create(stream=True, **kw))
+    content = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    deltas = [d for ch in chunks for c in ch.choices for d in (c.delta.tool_calls or [])]
+    assert content.strip() == "Sure." and len(deltas) == 1
+    assert json.loads(deltas[0].function.arguments) == json.loads(call.function.arguments)
+    # without a block: plain content, no calls
+    plain = client.chat.completions.create(model="t", messages=MSGS, tools=[WEATHER], max_tokens=8, temperature=0)
+    assert plain.choices[0].message.tool_calls is None and plain.choices[0].finish_reason in ("stop", "length")
+
+
+def test_auto_parser_by_hand():
+    from draftwise.entrypoints.openai import protocol as P
+    from draftwise.entrypoints.openai.serving import auto_visible, split_auto_tool_calls
+    tools = [P.ToolDef(**WEATHER)]
+    content, calls = split_auto_tool_calls('Hi <tool_call>{"name": "get_weather", "arguments": {"city": "x"}}'
+                                           '</tool_call> bye', tools)
+    assert content == "Hi  bye" and calls[0].function.name == "get_weather"
+    assert split_auto_tool_calls('<tool_call>{"name": "other", "arguments": {}}</tool_call>', tools)[1] is None
+    assert split_auto_tool_calls("<tool_call>not json</tool_call>", tools)[1] is None
+    assert auto_visible("abc <tool_", False) == "abc " and auto_visible("abc <tool_", True) == "abc <tool_"
+    assert auto_visible("a <tool_call>{", False) == "a "
+
+
+def test_bad_choices_are_refused(client):
+    for kw, what in (({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "nope"),
                      ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}},
                       "one structured-output")):
         with pytest.raises(openai.BadRequestError, match=what):

@@ -7,7 +7,7 @@ import torch
 
 from draftwise import LLM, SamplingParams
 from draftwise.sample.logits_processors import process_row
-from tests.helpers import load_cfg, make_tiny_hf, write_eagle3_checkpoint
+from tests.helpers import load_cfg, make_tiny_hf, write_dflash_checkpoint, write_eagle3_checkpoint
 from tests.spec_decode.test_spec_decode import _sample_counts, chi2_critical, small_vocab, two_sample_chi2  # noqa: F401
 from tests.tokenizer_util import add_tiny_tokenizer
 
@@ -39,7 +39,9 @@ def model(tmp_path_factory):
     make_tiny_hf(path, "llama", seed=11)
     add_tiny_tokenizer(path)
     head = write_eagle3_checkpoint(str(tmp_path_factory.mktemp("lp_head")), load_cfg(path), seed=4)
-    return path, head
+    dflash = write_dflash_checkpoint(str(tmp_path_factory.mktemp("lp_dflash")), load_cfg(path), block_size=4,
+                                     target_layer_ids=(0, 2), seed=4)
+    return path, head, dflash
 
 
 PARAMS = {"penalties": dict(presence_penalty=1.5, frequency_penalty=0.7),
@@ -50,13 +52,14 @@ PARAMS = {"penalties": dict(presence_penalty=1.5, frequency_penalty=0.7),
           "min_tokens": dict(min_tokens=30)}
 
 
-@pytest.mark.parametrize("drafter", ["suffix", "ngram", "eagle3", "eagle3-tree", "hybrid"])
+@pytest.mark.parametrize("drafter", ["suffix", "ngram", "eagle3", "eagle3-tree", "dflash", "hybrid"])
 def test_greedy_with_processors_equals_plain(model, drafter):
-    path, head = model
+    path, head, dflash = model
     spec = {"suffix": {"method": "suffix"}, "ngram": {"method": "ngram", "num_speculative_tokens": 3},
             "eagle3": {"method": "eagle3", "model": head, "num_speculative_tokens": 3},
             "eagle3-tree": {"method": "eagle3", "model": head, "num_speculative_tokens": 5, "eagle_topk": 2,
                             "eagle_depth": 3},
+            "dflash": {"method": "dflash", "model": dflash},
             "hybrid": {"method": "eagle3", "model": head, "num_speculative_tokens": 3, "hybrid": "suffix"}}[drafter]
     plain = LLM(path, max_model_len=256, speculative_config=None)
     spec_llm = LLM(path, max_model_len=256, speculative_config=spec)

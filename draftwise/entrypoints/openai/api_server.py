@@ -30,7 +30,7 @@ from fastapi import Request
 from draftwise.entrypoints.openai import protocol as P
 from draftwise.entrypoints.openai.serving import (COMPLETION_DEFAULT_MAX_TOKENS, APIError, EngineLoop,
                                                   PromptPreparer, ServerMetrics, Submission, TextDelta, TraceCursor, timings,
-                                                  tool_calls_from, merged_usage,
+                                                  tool_calls_from, merged_usage, auto_visible,
                                                   TokenStrings,
                                                   chat_logprobs, chat_messages, completion_logprobs,
                                                   finish_reason, full_response, sampling_kwargs, sse, usage)
@@ -450,6 +450,7 @@ def build_app(llm, served_model_name: str, api_key: str | None = None, max_reque
         sent = 0                                  # logprobs already streamed
         offset = 0
         cursor = TraceCursor()
+        auto_sent = 0                             # tool_choice auto: content characters sent
 
         def chunk(text: str | None, finish=None, lps=None, role=None, trace=None, times=None):
             nonlocal offset
@@ -487,7 +488,18 @@ def build_app(llm, served_model_name: str, api_key: str | None = None, max_reque
             trace = None
             if comp.spec_trace is not None:
                 trace = cursor.take(comp.spec_trace, len(d)) + (cursor.rest(comp.spec_trace) if out.finished else [])
-            if tools is not None:              # a forced tool call: sent whole, as one tool_calls delta
+            if tools is not None and tools[0] == "auto":   # content streams until a tool-call block starts
+                trace = None                   # (the trace follows the text deltas, not held-back blocks)
+                vis = auto_visible(comp.text, out.finished)
+                d, auto_sent = vis[auto_sent:], len(vis)
+                if not out.finished:
+                    if d:
+                        yield chunk(d)
+                    continue
+                if d:
+                    yield chunk(d)
+                d = ""
+            if tools is not None:              # tool calls are sent whole, as one tool_calls delta
                 if not out.finished:
                     continue
                 calls = tool_calls_from(comp.text, tools) if finish_reason(comp.finish_reason) == "stop" else None
@@ -506,7 +518,10 @@ def build_app(llm, served_model_name: str, api_key: str | None = None, max_reque
                                                                  usage=usage(out)))
                     yield _FINISHED
                     break
-                d = comp.text                  # not a complete call (length): the text as content
+                if tools[0] != "auto":
+                    d = comp.text              # not a complete call (length): the text as content
+                else:
+                    d = comp.text[auto_sent:]  # the held-back rest (a block that did not parse)
             if out.finished:
                 fr = finish_reason(comp.finish_reason)
                 if chat and (d or lps or trace):

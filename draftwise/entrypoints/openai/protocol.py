@@ -263,16 +263,19 @@ class ChatCompletionRequest(SamplingRequest):
 
     def _tool_constraint(self) -> list:
         mode = self.tool_mode()
-        return [] if mode is None else [("tool_choice", {"json": tool_call_schema(*mode)})]
+        if mode is None or mode[0] == "auto":          # auto: the model decides, unconstrained
+            return []
+        return [("tool_choice", {"json": tool_call_schema(*mode)})]
 
     def tool_mode(self) -> tuple[str, list[ToolDef]] | None:
-        """("required" | "named", the tools the call may use), or None when no call is forced
-        (no tools, or tool_choice "none"). tool_choice "auto" (the default with tools) needs a
-        tool-call parser for the model's chat format and is refused."""
+        """("auto" | "required" | "named", the tools the call may use), or None without tools or
+        with tool_choice "none". auto (the default with tools): the model may answer with
+        <tool_call>{"name": ..., "arguments": {...}}</tool_call> blocks (Hermes style), parsed from
+        its text; required / named: the answer is constrained to a call."""
         if not self.tools or self.tool_choice == "none":
             return None
         if self.tool_choice in (None, "auto"):
-            raise ValueError('tool_choice "auto" is not supported yet: use "required", a named function, or "none"')
+            return "auto", list(self.tools)
         if self.tool_choice == "required":
             return "required", list(self.tools)
         named = [t for t in self.tools if t.function.name == self.tool_choice.function.name]

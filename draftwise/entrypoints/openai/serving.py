@@ -522,8 +522,10 @@ def chat_messages(req: P.ChatCompletionRequest) -> list[dict]:
         import json as _json
         spec = [{"name": t.function.name, "description": t.function.description or "",
                  "parameters": t.function.parameters or {"type": "object"}} for t in mode[1]]
+        how = ("To call one, answer with <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>; "
+               "otherwise answer normally." if mode[0] == "auto" else "Answer with a function call as JSON.")
         out.append({"role": "system", "content": "You can call these functions (JSON schemas of their "
-                    f"arguments):\n{_json.dumps(spec)}\nAnswer with a function call as JSON."})
+                    f"arguments):\n{_json.dumps(spec)}\n{how}"})
     for i, m in enumerate(req.messages):
         try:
             msg = {"role": m.role, "content": m.text()}
@@ -672,15 +674,62 @@ def trace_spans(comp) -> list[P.TraceSpan] | None:
     return cur.take(comp.spec_trace, len(comp.text)) + cur.rest(comp.spec_trace)
 
 
+TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
+
+
+def split_auto_tool_calls(text: str, tools) -> tuple[str | None, list[P.ToolCall] | None]:
+    """(content, tool calls) of an answer under tool_choice auto: Hermes-style
+    <tool_call>{"name", "arguments"}</tool_call> blocks naming one of the tools become calls; the
+    rest is the content (None when empty). Blocks that do not parse stay in the content."""
+    import json as _json
+    import re as _re
+    import uuid as _uuid
+    names = {t.function.name for t in tools}
+    calls, kept = [], []
+    last = 0
+    for m in _re.finditer(_re.escape(TOOL_CALL_OPEN) + r"\s*(.*?)\s*" + _re.escape(TOOL_CALL_CLOSE), text, _re.S):
+        try:
+            doc = _json.loads(m.group(1))
+            ok = isinstance(doc, dict) and doc.get("name") in names and isinstance(doc.get("arguments", {}), dict)
+        except ValueError:
+            ok = False
+        if not ok:
+            continue
+        kept.append(text[last:m.start()])
+        last = m.end()
+        calls.append(P.ToolCall(id=f"call_{_uuid.uuid4().hex[:24]}", function=P.FunctionCall(
+            name=doc["name"], arguments=_json.dumps(doc.get("arguments", {}), ensure_ascii=False))))
+    if not calls:
+        return text, None
+    content = ("".join(kept) + text[last:]).strip()
+    return content or None, calls
+
+
+def auto_visible(text: str, finished: bool) -> str:
+    """The part of an auto-mode answer that can be streamed as content: before the first tool-call
+    block, holding back a possible partial opening tag while the answer runs."""
+    cut = text.find(TOOL_CALL_OPEN)
+    if cut >= 0:
+        return text[:cut]
+    if finished:
+        return text
+    for k in range(min(len(TOOL_CALL_OPEN) - 1, len(text)), 0, -1):
+        if TOOL_CALL_OPEN.startswith(text[-k:]):
+            return text[:-k]
+    return text
+
+
 def tool_calls_from(text: str, mode) -> list[P.ToolCall] | None:
     """The call a tool-constrained answer encodes, or None if it is not complete JSON."""
     import json as _json
     import uuid as _uuid
+    kind, tools = mode
+    if kind == "auto":
+        return split_auto_tool_calls(text, tools)[1]
     try:
         doc = _json.loads(text)
     except ValueError:
         return None
-    kind, tools = mode
     if kind == "named":
         name, args = tools[0].function.name, text
     else:
@@ -693,7 +742,8 @@ def full_response(out, rid: str, model: str, created: int, chat: bool, strings: 
     fr = finish_reason(comp.finish_reason)
     calls = tool_calls_from(comp.text, tools) if tools is not None and fr == "stop" else None
     if calls is not None:
-        message = P.ChatResponseMessage(content=None, tool_calls=calls)
+        content = split_auto_tool_calls(comp.text, tools[1])[0] if tools[0] == "auto" else None
+        message = P.ChatResponseMessage(content=content, tool_calls=calls)
         choice = P.ChatCompletionChoice(index=0, message=message, finish_reason="tool_calls",
                                         logprobs=chat_logprobs(comp.logprobs, strings), spec_trace=trace_spans(comp))
         return P.ChatCompletionResponse(id=rid, created=created, model=model, choices=[choice], usage=usage(out),
