@@ -214,3 +214,30 @@ class ServerThread:
     def __exit__(self, *exc):
         if self.thread.is_alive():
             self.stop()
+
+
+def tiny_target_with_drafters(tmp_path_factory, name: str, target_seed: int, drafter_seed: int):
+    """(target dir with a tokenizer, EAGLE-3 head dir, DFlash drafter dir): a tiny random target and
+    published-format drafters for it."""
+    from tests.tokenizer_util import add_tiny_tokenizer
+    path = str(tmp_path_factory.mktemp(name))
+    make_tiny_hf(path, "llama", seed=target_seed)
+    add_tiny_tokenizer(path)
+    cfg = load_cfg(path)
+    head = write_eagle3_checkpoint(str(tmp_path_factory.mktemp(name + "_head")), cfg, seed=drafter_seed)
+    dflash = write_dflash_checkpoint(str(tmp_path_factory.mktemp(name + "_dflash")), cfg, block_size=4,
+                                     target_layer_ids=(0, 2), seed=drafter_seed)
+    return path, head, dflash
+
+
+def drafter_specs(head: str, dflash: str) -> dict:
+    """A speculative config per drafter family, for greedy-equality tests over every drafter."""
+    return {"suffix": {"method": "suffix"},
+            "suffix-tree": {"method": "suffix", "draft_tree": True, "num_speculative_tokens": 8},
+            "ngram": {"method": "ngram", "num_speculative_tokens": 3},
+            "eagle3": {"method": "eagle3", "model": head, "num_speculative_tokens": 3},
+            "eagle3-tree": {"method": "eagle3", "model": head, "num_speculative_tokens": 5, "eagle_topk": 2,
+                            "eagle_depth": 3},
+            "dflash": {"method": "dflash", "model": dflash},
+            "hybrid": {"method": "eagle3", "model": head, "num_speculative_tokens": 3, "hybrid": "suffix"}}
+

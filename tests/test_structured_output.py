@@ -10,9 +10,8 @@ import pytest
 from draftwise import LLM, SamplingParams
 from draftwise.spec_decode.draft import Draft
 from draftwise.structured_output import StructuredOutputParams as S
-from tests.helpers import ServerThread, load_cfg, make_tiny_hf, write_dflash_checkpoint, write_eagle3_checkpoint
+from tests.helpers import ServerThread, drafter_specs, tiny_target_with_drafters
 from tests.spec_decode.test_spec_decode import chi2_critical, two_sample_chi2
-from tests.tokenizer_util import add_tiny_tokenizer
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99},
                                            "b": {"type": "string", "enum": ["x", "yy"]},
@@ -26,25 +25,7 @@ PROMPTS = ["Hello there", "one two three one two three", "abc abc abc"]
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    path = str(tmp_path_factory.mktemp("so_target"))
-    make_tiny_hf(path, "llama", seed=7)
-    add_tiny_tokenizer(path)
-    cfg = load_cfg(path)
-    head = write_eagle3_checkpoint(str(tmp_path_factory.mktemp("so_head")), cfg, seed=3)
-    dflash = write_dflash_checkpoint(str(tmp_path_factory.mktemp("so_dflash")), cfg, block_size=4,
-                                     target_layer_ids=(0, 2), seed=3)
-    return path, head, dflash
-
-
-def _specs(head, dflash):
-    return {"suffix": {"method": "suffix"}, "suffix-tree": {"method": "suffix", "draft_tree": True,
-                                                            "num_speculative_tokens": 8},
-            "ngram": {"method": "ngram", "num_speculative_tokens": 3},
-            "eagle3": {"method": "eagle3", "model": head, "num_speculative_tokens": 3},
-            "eagle3-tree": {"method": "eagle3", "model": head, "num_speculative_tokens": 5, "eagle_topk": 2,
-                            "eagle_depth": 3},
-            "dflash": {"method": "dflash", "model": dflash},
-            "hybrid": {"method": "eagle3", "model": head, "num_speculative_tokens": 3, "hybrid": "suffix"}}
+    return tiny_target_with_drafters(tmp_path_factory, "so_target", 7, 3)
 
 
 def _run(llm, so, max_tokens=40):
@@ -62,7 +43,7 @@ def plain_outputs(model):
 @pytest.mark.parametrize("drafter", ["suffix", "suffix-tree", "ngram", "eagle3", "eagle3-tree", "dflash", "hybrid"])
 def test_greedy_constrained_output_equals_plain_for_every_drafter(model, plain_outputs, drafter):
     path, head, dflash = model
-    llm = LLM(path, max_model_len=256, speculative_config=_specs(head, dflash)[drafter])
+    llm = LLM(path, max_model_len=256, speculative_config=drafter_specs(head, dflash)[drafter])
     for name, so in CONSTRAINTS.items():
         got = [(c.token_ids, c.text, c.finish_reason) for c in _run(llm, so)]
         assert got == plain_outputs[name], (drafter, name)

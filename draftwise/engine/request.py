@@ -7,6 +7,7 @@ import time
 import torch
 
 from draftwise.outputs import RequestMetrics
+from draftwise.sample.logits_processors import needs_processing
 from draftwise.sampling_params import SamplingParams
 from draftwise.spec_decode.draft import Draft
 
@@ -43,6 +44,7 @@ class Request:
         self.num_steps = 0                    # decoding steps that produced tokens for this request
         self.grammar = None                   # RequestGrammar when the output is constrained
         self.bad_words_ids: list[list[int]] = []   # token sequences of params.bad_words (the engine's tokenizer)
+        self.needs_logits_processing = needs_processing(params)   # decided once, read every step
         self.generator: torch.Generator | None = None
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed)

@@ -25,13 +25,16 @@ def needs_processing(params) -> bool:
 
 
 def process_row(logits: torch.Tensor, params, prompt: list[int], output: list[int], stop_ids,
-                bad_words_ids=()) -> None:
+                bad_words_ids=(), seen: set | None = None) -> None:
     """Apply the request's processors in place to one row of logits [V] whose history is `prompt`
-    then `output` (the generated tokens including the draft path before this row)."""
+    then `output` (the generated tokens including the draft path before this row). `seen`: the
+    distinct tokens of that history, when the caller has them (one set per request, not per row)."""
     V = logits.shape[-1]
     dev = logits.device
     if params.repetition_penalty != 1.0:
-        seen = torch.tensor(sorted(set(prompt) | set(output)), dtype=torch.long, device=dev)
+        if seen is None:
+            seen = set(prompt) | set(output)
+        seen = torch.tensor(sorted(seen), dtype=torch.long, device=dev)
         if seen.numel():
             vals = logits[seen]
             logits[seen] = torch.where(vals > 0, vals / params.repetition_penalty, vals * params.repetition_penalty)
@@ -68,12 +71,15 @@ def apply_logits_processors(logits: torch.Tensor, scheds) -> None:
     for s in scheds:
         n = s.num_draft_tokens + 1
         req = s.request
-        if s.completes_prompt and needs_processing(req.params):
+        if s.completes_prompt and req.needs_logits_processing:
             stop_ids = tuple(req.eos_token_ids) + tuple(req.params.stop_token_ids)
             out = req.output_token_ids
             bad = req.bad_words_ids
-            process_row(logits[row], req.params, req.prompt_token_ids, out, stop_ids, bad)
+            # the history's distinct tokens once per request; each draft row adds its path
+            seen = set(req.all_token_ids) if req.params.repetition_penalty != 1.0 else None
+            process_row(logits[row], req.params, req.prompt_token_ids, out, stop_ids, bad, seen)
             if s.draft is not None:
                 for j, path in enumerate(_paths(s.draft)):
-                    process_row(logits[row + 1 + j], req.params, req.prompt_token_ids, out + path, stop_ids, bad)
+                    process_row(logits[row + 1 + j], req.params, req.prompt_token_ids, out + path, stop_ids, bad,
+                                seen | set(path) if seen is not None else None)
         row += n

@@ -244,8 +244,8 @@ class ModelRunner:
         t2 = time.perf_counter()
         if self.hidden_recorder is not None:
             self.hidden_recorder.record(scheds, cache_pos, output)
-        from draftwise.sample.logits_processors import apply_logits_processors, needs_processing
-        if any(needs_processing(s.request.params) for s in scheds):
+        if any(s.request.needs_logits_processing for s in scheds):
+            from draftwise.sample.logits_processors import apply_logits_processors
             apply_logits_processors(output.logits, scheds)
         if any(s.request.grammar is not None for s in scheds):
             from draftwise.structured_output import apply_grammar_masks

@@ -4,34 +4,21 @@ costs nothing when off, and the server's spans match the text they ride with."""
 import pytest
 
 from draftwise import LLM, SamplingParams
-from tests.helpers import load_cfg, make_tiny_hf, write_eagle3_checkpoint
-from tests.tokenizer_util import add_tiny_tokenizer
+from tests.helpers import drafter_specs, tiny_target_with_drafters
 
 PROMPTS = ["one two three one two three one two", "abc abc abc abc", "The quick brown fox jumps over"]
 
 
 @pytest.fixture(scope="module")
 def traced_model(tmp_path_factory):
-    path = str(tmp_path_factory.mktemp("traced"))
-    make_tiny_hf(path, "llama", seed=5)
-    add_tiny_tokenizer(path)
-    head = write_eagle3_checkpoint(str(tmp_path_factory.mktemp("head")), load_cfg(path), seed=2)
+    path, head, _ = tiny_target_with_drafters(tmp_path_factory, "traced", 5, 2)
     return path, head
-
-
-def _specs(head):
-    return {"suffix": {"method": "suffix"},
-            "ngram": {"method": "ngram", "num_speculative_tokens": 3},
-            "eagle3": {"method": "eagle3", "model": head, "num_speculative_tokens": 3},
-            "eagle3-tree": {"method": "eagle3", "model": head, "num_speculative_tokens": 5, "eagle_topk": 2,
-                            "eagle_depth": 3},
-            "hybrid": {"method": "eagle3", "model": head, "num_speculative_tokens": 3, "hybrid": "suffix"}}
 
 
 @pytest.mark.parametrize("name", ["suffix", "ngram", "eagle3", "eagle3-tree", "hybrid"])
 def test_trace_is_exact_for_every_drafter(traced_model, name):
     path, head = traced_model
-    llm = LLM(path, speculative_config=_specs(head)[name], max_model_len=256)
+    llm = LLM(path, speculative_config=drafter_specs(head, None)[name], max_model_len=256)
     traced = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True, spec_trace=True)
     outs = llm.generate(PROMPTS, traced)
     plain = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=48, ignore_eos=True))

@@ -7,9 +7,8 @@ import torch
 
 from draftwise import LLM, SamplingParams
 from draftwise.sample.logits_processors import process_row
-from tests.helpers import load_cfg, make_tiny_hf, write_dflash_checkpoint, write_eagle3_checkpoint
+from tests.helpers import drafter_specs, tiny_target_with_drafters
 from tests.spec_decode.test_spec_decode import _sample_counts, chi2_critical, small_vocab, two_sample_chi2  # noqa: F401
-from tests.tokenizer_util import add_tiny_tokenizer
 
 PROMPTS = ["one two three one two three one two", "abc abc abc abc", "The quick brown fox jumps over"]
 
@@ -35,13 +34,7 @@ def test_process_row_by_hand():
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    path = str(tmp_path_factory.mktemp("lp_target"))
-    make_tiny_hf(path, "llama", seed=11)
-    add_tiny_tokenizer(path)
-    head = write_eagle3_checkpoint(str(tmp_path_factory.mktemp("lp_head")), load_cfg(path), seed=4)
-    dflash = write_dflash_checkpoint(str(tmp_path_factory.mktemp("lp_dflash")), load_cfg(path), block_size=4,
-                                     target_layer_ids=(0, 2), seed=4)
-    return path, head, dflash
+    return tiny_target_with_drafters(tmp_path_factory, "lp_target", 11, 4)
 
 
 PARAMS = {"penalties": dict(presence_penalty=1.5, frequency_penalty=0.7),
@@ -55,12 +48,7 @@ PARAMS = {"penalties": dict(presence_penalty=1.5, frequency_penalty=0.7),
 @pytest.mark.parametrize("drafter", ["suffix", "ngram", "eagle3", "eagle3-tree", "dflash", "hybrid"])
 def test_greedy_with_processors_equals_plain(model, drafter):
     path, head, dflash = model
-    spec = {"suffix": {"method": "suffix"}, "ngram": {"method": "ngram", "num_speculative_tokens": 3},
-            "eagle3": {"method": "eagle3", "model": head, "num_speculative_tokens": 3},
-            "eagle3-tree": {"method": "eagle3", "model": head, "num_speculative_tokens": 5, "eagle_topk": 2,
-                            "eagle_depth": 3},
-            "dflash": {"method": "dflash", "model": dflash},
-            "hybrid": {"method": "eagle3", "model": head, "num_speculative_tokens": 3, "hybrid": "suffix"}}[drafter]
+    spec = drafter_specs(head, dflash)[drafter]
     plain = LLM(path, max_model_len=256, speculative_config=None)
     spec_llm = LLM(path, max_model_len=256, speculative_config=spec)
     free = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=40))]
