@@ -20,3 +20,16 @@ def tiny_qwen3(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("tiny_qwen3"))
     model = make_tiny_hf(path, "qwen3", seed=1)
     return path, model
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """Two Ray nodes on loopback addresses, shared by every test that serves on Ray. Ray is an
+    optional extra: without it these tests skip, except in CI, which installs it."""
+    from tests.ray_cluster import LoopbackRayCluster, ray_available
+    if not ray_available():
+        if os.environ.get("CI"):
+            pytest.fail("CI must install the ray extra (pip install -e '.[test,ray]')")
+        pytest.skip("ray[serve] is not installed")
+    with LoopbackRayCluster(num_nodes=2) as cluster:
+        yield cluster

@@ -14,6 +14,7 @@ from draftwise.config import EngineConfig, SpeculativeConfig
 from draftwise.engine.errors import EngineFault
 from draftwise.engine.request import Request
 from draftwise.engine.scheduler import RequestUpdate, Scheduler, SchedulerOutput
+from draftwise.inputs import tokenize_prompt
 from draftwise.models.loader import load_target_model, load_tokenizer
 from draftwise.outputs import CompletionOutput, RequestOutput, TokenTrace
 from draftwise.sampling_params import SamplingParams
@@ -178,23 +179,7 @@ class LLMEngine:
 
     # --- requests ----------------------------------------------------------------------------------
     def tokenize_prompt(self, prompt) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                ids = prompt["prompt_token_ids"]
-                if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
-                    raise ValueError("prompt_token_ids must be a list of integers")
-                return prompt.get("prompt"), list(ids)
-            if "prompt" in prompt:
-                prompt = prompt["prompt"]
-            else:
-                raise ValueError("a dict prompt needs 'prompt_token_ids' or 'prompt'")
-        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-            return None, list(prompt)
-        if not isinstance(prompt, str):
-            raise ValueError(f"a prompt must be a string or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}")
-        if self.tokenizer is None:
-            raise ValueError("this model has no tokenizer: pass {'prompt_token_ids': [...]}")
-        return prompt, self.tokenizer(prompt, add_special_tokens=False).input_ids
+        return tokenize_prompt(self.tokenizer, prompt)
 
     def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
         params = params or SamplingParams()

@@ -96,7 +96,13 @@ def cmd_chat(args) -> int:
 
 
 def cmd_serve(args) -> int:
-    from draftwise.entrypoints.openai.api_server import run_server
+    from draftwise.entrypoints.openai.api_server import api_key_of, configure_logging, run_server
+    from draftwise.entrypoints.ray_serve.options import uses_ray
+    if uses_ray(args):                 # engine replicas on Ray Serve behind one endpoint
+        from draftwise.entrypoints.ray_serve import launch
+        configure_logging(args)
+        launch.run(args, api_key_of(args))
+        return 0
     return run_server(args, build_llm(args)) or 0
 
 

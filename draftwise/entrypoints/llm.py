@@ -83,12 +83,8 @@ class LLM:
                         return
 
     def apply_chat_template(self, messages) -> str:
-        tok = self.engine.tokenizer
-        if tok is None or not getattr(tok, "chat_template", None):
-            raise ValueError("this model has no chat template")
-        if not isinstance(messages, list) or not messages:
-            raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts")
-        return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        from draftwise.inputs import apply_chat_template
+        return apply_chat_template(self.engine.tokenizer, messages)
 
     def chat(self, messages, sampling_params=None, use_tqdm: bool = False) -> list[RequestOutput]:
         """One conversation (list of dicts) or several (list of lists)."""

@@ -35,11 +35,29 @@ def offline(model_dir):
 
 
 @pytest.fixture(scope="module")
-def server(model_dir):
+def local_server(model_dir):
     llm = LLM(model_dir, speculative_config=SPEC, **ENGINE_KW)
     with ServerThread(build_app(llm, NAME)) as srv:
         srv.llm = llm
         yield srv
+
+
+@pytest.fixture(scope="module", params=["local", "ray"])
+def server(request, model_dir):
+    """The same HTTP tests against the single-process server and against two engine replicas on a
+    two-node Ray cluster (`serve --data-parallel-size 2`)."""
+    if request.param == "local":
+        yield request.getfixturevalue("local_server")
+        return
+    from tests.ray_cluster import RayServer
+    cluster = request.getfixturevalue("ray_cluster")
+    srv = RayServer(cluster, "--model", model_dir, "--served-model-name", NAME, "--speculative-config", json.dumps(SPEC),
+                    "--max-model-len", str(ENGINE_KW["max_model_len"]), "--max-num-seqs", str(ENGINE_KW["max_num_seqs"]),
+                    "--block-size", str(ENGINE_KW["block_size"]), "--seed", str(ENGINE_KW["seed"]), "--threads", "1",
+                    "--data-parallel-size", "2", "--max-replicas-per-node", "1")
+    srv.metrics_lag = 2.5              # replicas report their engine figures every second
+    yield srv
+    srv.stop()
 
 
 @pytest.fixture(scope="module")
@@ -47,8 +65,10 @@ def client(server):
     return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
 
 
-def scrape(url: str) -> dict:
-    """Prometheus text -> {'name{labels}': value}."""
+def scrape(url_or_server) -> dict:
+    """Prometheus text -> {'name{labels}': value} (from a server: after its replicas reported)."""
+    url = getattr(url_or_server, "url", url_or_server)
+    time.sleep(getattr(url_or_server, "metrics_lag", 0))
     text = httpx.get(url + "/metrics").text
     out = {}
     for line in text.splitlines():
@@ -210,7 +230,7 @@ def test_32_concurrent_requests(server, offline):
     with ThreadPoolExecutor(32) as ex:
         got = list(ex.map(one, range(32)))
     assert got == [r.outputs[0].text for r in ref]
-    m = scrape(server.url)
+    m = scrape(server)
     assert m["draftwise_kv_blocks_used"] == 0
     assert m['draftwise_requests_total{outcome="length"}'] >= 32
     assert m["draftwise_time_to_first_token_seconds_count"] >= 32
@@ -254,7 +274,7 @@ BAD = [
 
 
 def test_bad_inputs_get_400_and_server_keeps_serving(server, client):
-    before = scrape(server.url).get('draftwise_requests_total{outcome="rejected"}', 0)
+    before = scrape(server).get('draftwise_requests_total{outcome="rejected"}', 0)
     with httpx.Client(base_url=server.url, timeout=30) as h:
         for path, body, why in BAD:
             if isinstance(body, bytes):
@@ -267,8 +287,8 @@ def test_bad_inputs_get_400_and_server_keeps_serving(server, client):
             assert set(err) == {"message", "type", "param", "code"}, why
             ok = client.completions.create(model=NAME, prompt="hi", max_tokens=2)
             assert ok.usage.completion_tokens >= 1, why
-    assert scrape(server.url)['draftwise_requests_total{outcome="rejected"}'] == before + len(BAD)
-    assert scrape(server.url)["draftwise_kv_blocks_used"] == 0
+    assert scrape(server)['draftwise_requests_total{outcome="rejected"}'] == before + len(BAD)
+    assert scrape(server)["draftwise_kv_blocks_used"] == 0
     # the official client surfaces them as BadRequestError
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=NAME, messages=[], max_tokens=2)
@@ -279,7 +299,8 @@ def test_bad_inputs_get_400_and_server_keeps_serving(server, client):
         client.completions.create(model=NAME, prompt="hi", max_tokens=MAX_LEN)
 
 
-def test_client_disconnect_aborts_and_frees_kv(server):
+def test_client_disconnect_aborts_and_frees_kv(local_server):
+    server = local_server
     engine = server.llm.engine
     real_step = engine.step
 
@@ -287,7 +308,7 @@ def test_client_disconnect_aborts_and_frees_kv(server):
         time.sleep(0.01)
         return real_step()
 
-    before = scrape(server.url).get('draftwise_requests_total{outcome="abort"}', 0)
+    before = scrape(server).get('draftwise_requests_total{outcome="abort"}', 0)
     engine.step = slow_step
     try:
         body = {"model": NAME, "prompt": "Once upon a time", "max_tokens": 200, "ignore_eos": True,
@@ -297,12 +318,12 @@ def test_client_disconnect_aborts_and_frees_kv(server):
             lines = resp.iter_lines()
             while not next(lines).startswith("data: "):
                 pass
-            running = scrape(server.url)
+            running = scrape(server)
             assert running["draftwise_kv_blocks_used"] > 0 and running["draftwise_num_requests_running"] == 1
             lines.close()             # drops the connection mid-stream
         deadline = time.time() + 10
         while True:
-            m = scrape(server.url)
+            m = scrape(server)
             if m.get('draftwise_requests_total{outcome="abort"}', 0) == before + 1 and m["draftwise_kv_blocks_used"] == 0:
                 break
             assert time.time() < deadline, m
@@ -314,7 +335,7 @@ def test_client_disconnect_aborts_and_frees_kv(server):
                        json={"model": NAME, "messages": [{"role": "user", "content": "hi"}], "ignore_eos": True})
         deadline = time.time() + 10
         while True:
-            m = scrape(server.url)
+            m = scrape(server)
             if m['draftwise_requests_total{outcome="abort"}'] == before + 2 and m["draftwise_kv_blocks_used"] == 0:
                 break
             assert time.time() < deadline, m
@@ -340,7 +361,7 @@ def test_penalties_bias_and_filters_match_offline(server, client, offline):
         assert resp.status_code == 400 and resp.json()["error"]["message"], bad
 
 
-def test_openai_client_response_format_n_and_logit_bias(server, client):
+def test_openai_client_response_format_n_and_logit_bias(server, client, offline):
     schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
               "additionalProperties": False}
     r = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=30,
@@ -353,7 +374,7 @@ def test_openai_client_response_format_n_and_logit_bias(server, client):
     r = client.completions.create(model=NAME, prompt="hi", max_tokens=6, temperature=0.9, seed=5, n=3,
                                   logit_bias={"20": 100})
     assert [c.index for c in r.choices] == [0, 1, 2]
-    forced = server.llm.tokenizer.decode([20] * 6)          # a +100 bias makes token 20 certain
+    forced = offline.tokenizer.decode([20] * 6)          # a +100 bias makes token 20 certain
     assert all(c.text == forced for c in r.choices)
 
 
@@ -429,14 +450,16 @@ def test_graceful_shutdown_finishes_running_requests(model_dir):
 
 
 def test_metrics_spec_decode_per_position(server):
-    m = scrape(server.url)
+    m = scrape(server)
     per_pos = {k: v for k, v in m.items() if k.startswith("draftwise_spec_decode_num_accepted_tokens_per_pos_total")}
     if m["draftwise_spec_decode_num_drafts_total"] > 0:
         assert per_pos and all(re.search(r'position="\d+"', k) for k in per_pos)
         assert sum(per_pos.values()) == m["draftwise_spec_decode_num_accepted_tokens_total"]
 
 
-def test_engine_failure_is_500_and_server_recovers(server, client):
+def test_engine_failure_is_500_and_server_recovers(local_server):
+    server = local_server
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
     engine = server.llm.engine
     real_step = engine.step
 
@@ -449,7 +472,7 @@ def test_engine_failure_is_500_and_server_recovers(server, client):
         client.completions.create(model=NAME, prompt="hi", max_tokens=4)
     assert engine.step is real_step
     assert client.completions.create(model=NAME, prompt="hi", max_tokens=4).usage.completion_tokens >= 1
-    assert scrape(server.url)["draftwise_kv_blocks_used"] == 0
+    assert scrape(server)["draftwise_kv_blocks_used"] == 0
 
 
 def test_load_bench_smoke(server):
@@ -499,5 +522,5 @@ def test_prefix_cache_hits_in_metrics(server, client):
     long = "A paged key value cache stores attention state in fixed size blocks. " * 3
     for _ in range(2):
         client.completions.create(model=NAME, prompt=long, max_tokens=2, temperature=0)
-    m = scrape(server.url)
+    m = scrape(server)
     assert m["draftwise_prefix_cache_hits_total"] > 0 and 0 < m["draftwise_prefix_cache_hit_rate"] <= 1

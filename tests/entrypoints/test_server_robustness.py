@@ -123,7 +123,7 @@ def test_tokenization_runs_off_the_engine_thread(model_dir):  # noqa: F811
 
 def test_overload_is_429_with_retry_after(model_dir):  # noqa: F811
     app = _slow_app(model_dir, delay=0.05, max_num_queued_requests=0)
-    app.state.server.llm.engine.config.max_num_seqs = 1
+    app.state.server.engine_loop.engine.config.max_num_seqs = 1
     with ServerThread(app) as s, ThreadPoolExecutor(6) as ex:
         futs = [ex.submit(httpx.post, s.url + "/v1/completions", json={**BODY, "max_tokens": 16}, timeout=60)
                 for _ in range(6)]

@@ -23,11 +23,11 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
 
 from fastapi import Request
 
 from draftwise.entrypoints.openai import protocol as P
+from draftwise.entrypoints.openai.frontend import ModelFrontend
 from draftwise.entrypoints.openai.serving import (COMPLETION_DEFAULT_MAX_TOKENS, APIError, EngineLoop,
                                                   PromptPreparer, ServerMetrics, Submission, TextDelta, TraceCursor, timings,
                                                   tool_calls_from, merged_usage, auto_visible,
@@ -178,7 +178,7 @@ def _auth_ok(scope, api_key: str) -> bool:
 
 @dataclass
 class ServerState:
-    llm: Any
+    frontend: ModelFrontend
     served_model_name: str
     api_key: str | None
     metrics: ServerMetrics
@@ -196,10 +196,15 @@ def default_max_request_bytes(max_model_len: int) -> int:
 
 
 def build_app(llm, served_model_name: str, api_key: str | None = None, max_request_bytes: int | None = None,
-              max_num_queued_requests: int | None = 64, playground: bool = True):
+              max_num_queued_requests: int | None = 64, playground: bool = True, *,
+              frontend: ModelFrontend | None = None, make_engine_client=None):
     """The FastAPI app serving `llm` (an `LLM`) under the name `served_model_name`, with the browser
     playground at `/` unless `playground` is False. The engine thread starts with the app's
-    lifespan (so run it under uvicorn or `with TestClient(app)`)."""
+    lifespan (so run it under uvicorn or `with TestClient(app)`).
+
+    Without a local model (`llm` None) the app serves through `make_engine_client(metrics)`, any
+    object with EngineLoop's start / stop / alive / is_idle / submit / abort (the Ray ingress),
+    and `frontend` describes the model."""
     from fastapi import FastAPI
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, Response
@@ -207,25 +212,30 @@ def build_app(llm, served_model_name: str, api_key: str | None = None, max_reque
 
     SSEResponse = _sse_response_class()
     metrics = ServerMetrics()
-    max_len = llm.engine.config.max_model_len
+    if llm is not None:
+        frontend = ModelFrontend.of_engine(llm.engine)
+        engine_client = EngineLoop(llm, metrics, max_num_queued_requests=max_num_queued_requests)
+    else:
+        engine_client = make_engine_client(metrics)
+    max_len = frontend.max_model_len
     limit = max_request_bytes or default_max_request_bytes(max_len)
-    state = ServerState(llm, served_model_name, api_key or None, metrics,
-                        EngineLoop(llm, metrics, max_num_queued_requests=max_num_queued_requests),
-                        PromptPreparer(llm, max_prompt_chars=max_len * 64), limit)
-    strings = TokenStrings(llm.engine.tokenizer)
+    state = ServerState(frontend, served_model_name, api_key or None, metrics, engine_client,
+                        PromptPreparer(frontend, max_prompt_chars=max_len * 64), limit)
+    strings = TokenStrings(frontend.tokenizer)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
         from draftwise.entrypoints.openai.serving import release_free_memory
         release_free_memory()                 # what loading and compiling freed
         state.engine_loop.start()
-        logger.info("serving %r (max_model_len=%d)", served_model_name, llm.engine.config.max_model_len)
+        logger.info("serving %r (max_model_len=%d)", served_model_name, max_len)
         try:
             yield
         finally:
             state.draining = True
             await asyncio.to_thread(state.engine_loop.stop)
-            llm.engine.shutdown()             # tensor-parallel workers, if any
+            if llm is not None:
+                llm.engine.shutdown()         # tensor-parallel workers, if any
 
     app = FastAPI(title="draftwise OpenAI-compatible server", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.server = state
@@ -261,13 +271,16 @@ def build_app(llm, served_model_name: str, api_key: str | None = None, max_reque
 
     @app.get("/metrics", response_class=Response)
     async def prometheus_metrics():
+        collect = getattr(state.engine_loop, "collect_metrics", None)
+        if collect is not None:               # engines in other processes: pull their figures now
+            collect()
         data, ctype = metrics.render()
         return Response(content=data, media_type=ctype)
 
     @app.get("/v1/models", response_model=P.ModelList, responses=ERRORS)
     async def models():
         return P.ModelList(data=[P.ModelCard(id=served_model_name, created=state.created,
-                                             max_model_len=llm.engine.config.max_model_len)])
+                                             max_model_len=max_len)])
 
     @app.post("/tokenize", response_model=P.TokenizeResponse, responses=ERRORS)
     async def tokenize(body: P.TokenizeRequest):
@@ -279,32 +292,28 @@ def build_app(llm, served_model_name: str, api_key: str | None = None, max_reque
             with state.preparer.lock:
                 if body.messages is not None:
                     msgs = [{"role": m.role, "content": m.text()} for m in body.messages]
-                    tok = llm.engine.tokenizer
-                    if tok is None or not getattr(tok, "chat_template", None):
-                        raise APIError("this model has no chat template", param="messages")
-                    text = tok.apply_chat_template(msgs, tokenize=False,
-                                                   add_generation_prompt=body.add_generation_prompt)
+                    text = frontend.apply_chat_template(msgs, body.add_generation_prompt)
                 else:
                     text = body.prompt
-                return llm.engine.tokenize_prompt(text)[1]
+                return frontend.tokenize_prompt(text)[1]
         try:
             ids = await asyncio.to_thread(run)
         except ValueError as e:
             raise APIError(str(e), param="messages" if body.messages is not None else "prompt") from None
-        return P.TokenizeResponse(tokens=ids, count=len(ids), max_model_len=llm.engine.config.max_model_len)
+        return P.TokenizeResponse(tokens=ids, count=len(ids), max_model_len=max_len)
 
     @app.post("/detokenize", response_model=P.DetokenizeResponse, responses=ERRORS)
     async def detokenize(body: P.DetokenizeRequest):
         _check_model(body.model)
-        vocab = llm.engine.model_cfg.vocab_size
+        vocab = frontend.vocab_size
         if any(t >= vocab for t in body.tokens):
             raise APIError(f"token ids must be in [0, {vocab})", param="tokens")
-        if llm.engine.tokenizer is None:
+        if frontend.tokenizer is None:
             raise APIError("this model has no tokenizer", param="tokens")
 
         def run():
             with state.preparer.lock:
-                return llm.engine.tokenizer.decode(body.tokens)
+                return frontend.tokenizer.decode(body.tokens)
         return P.DetokenizeResponse(prompt=await asyncio.to_thread(run))
 
     # --- generation -------------------------------------------------------------------------------
@@ -338,12 +347,14 @@ def build_app(llm, served_model_name: str, api_key: str | None = None, max_reque
             raise
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        echo = None if chat or not body.echo else (text if text is not None else llm.engine.tokenizer.decode(ids))
+        echo = None if chat or not body.echo else (text if text is not None else frontend.tokenizer.decode(ids))
         n, best_of = body.n, (body.best_of or body.n) if not chat else body.n
         if best_of > 1:
             return await _generate_many(request, body, rid, model, chat, text, ids, sampling, default_max,
                                         include_usage, tools, n, best_of, echo)
-        sub = Submission(rid, text, ids, sampling, default_max, asyncio.get_running_loop(), asyncio.Queue())
+        session = request.headers.get("x-session-id") or body.user
+        sub = Submission(rid, text, ids, sampling, default_max, asyncio.get_running_loop(), asyncio.Queue(),
+                         session_id=session, stream=bool(body.stream))
         created = int(time.time())
         done = False
         try:
@@ -373,7 +384,9 @@ def build_app(llm, served_model_name: str, api_key: str | None = None, max_reque
                 s["seed"] = s["seed"] + i if s["seed"] + i < 2 ** 64 else s["seed"] - i
             if rank and s.get("logprobs") is None:
                 s["logprobs"] = 0                # the ranking needs every token's log-probability
-            subs.append(Submission(f"{rid}-{i}", text, ids, s, default_max, loop, asyncio.Queue()))
+            subs.append(Submission(f"{rid}-{i}", text, ids, s, default_max, loop, asyncio.Queue(),
+                                   session_id=request.headers.get("x-session-id") or body.user,
+                                   stream=bool(body.stream)))
         created = int(time.time())
         queues, owned = [], False
         try:
@@ -677,6 +690,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--no-playground", dest="playground", action="store_false",
                    help="do not serve the browser playground at /")
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    from draftwise.entrypoints.ray_serve.options import add_ray_args
+    add_ray_args(parser)
     return parser
 
 
@@ -692,12 +707,20 @@ def drain(state: ServerState, timeout: float) -> None:
     time.sleep(0.1)                         # let the event loop write those events
 
 
+def configure_logging(args) -> None:
+    logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.INFO),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def api_key_of(args) -> str | None:
+    return args.api_key or os.environ.get("DRAFTWISE_API_KEY") or None
+
+
 def run_server(args, llm=None) -> None:
     """Serve `llm` (built from `args`' engine flags when not given) until SIGTERM / SIGINT."""
     import uvicorn
-    logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.INFO),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    api_key = args.api_key or os.environ.get("DRAFTWISE_API_KEY") or None
+    configure_logging(args)
+    api_key = api_key_of(args)
     if llm is None:
         from draftwise.engine_args import EngineArgs
         from draftwise.entrypoints.llm import LLM
@@ -748,12 +771,3 @@ def run_server(args, llm=None) -> None:
     sys.stderr.flush()
     os._exit(0)
 
-
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(prog="draftwise serve", description="OpenAI-compatible server")
-    add_serve_args(parser)
-    run_server(parser.parse_args(argv))
-
-
-if __name__ == "__main__":
-    main()

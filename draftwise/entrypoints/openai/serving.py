@@ -15,7 +15,6 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
 from draftwise.entrypoints.openai import protocol as P
 
@@ -42,6 +41,14 @@ class APIError(Exception):
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
+    def to_dict(self) -> dict:
+        """Plain fields (crosses process boundaries; `from_dict` rebuilds it)."""
+        return {"message": self.message, "status": self.status, "param": self.param, "code": self.code,
+                "type": self.type}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "APIError":
+        return cls(d["message"], d["status"], d.get("param"), d.get("code"), d.get("type", "invalid_request_error"))
 
 
 class ServerMetrics:
@@ -111,6 +118,18 @@ class ServerMetrics:
                 child.inc(v - last)
         self._last_pos = pos
 
+    def observe_finished(self, sub: "Submission", out, now: float) -> None:
+        """A request finished: its outcome, tokens, and latencies since its arrival."""
+        comp = out.outputs[0]
+        n = len(comp.token_ids)
+        self.requests.labels(outcome=comp.finish_reason or "stop").inc()
+        self.generation_tokens.inc(n)
+        if sub.first_token_time is not None:
+            self.ttft.observe(max(0.0, sub.first_token_time - sub.arrival))
+            if n > 1:
+                self.tpot.observe(max(0.0, now - sub.first_token_time) / (n - 1))
+        self.e2e.observe(max(0.0, now - sub.arrival))
+
     def render(self) -> tuple[bytes, str]:
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
@@ -127,6 +146,8 @@ class Submission:
     queue: asyncio.Queue
     arrival: float = field(default_factory=time.time)
     first_token_time: float | None = None
+    session_id: str | None = None        # routing affinity across replicas (x-session-id or `user`)
+    stream: bool = True                  # False: partial outputs never reach the client (retry-safe)
 
 
 _STOP = object()
@@ -150,6 +171,7 @@ class EngineLoop:
         self._lock = threading.Lock()
         self._closed = False                         # no more submissions (stopping or crashed)
         self.fatal_error: BaseException | None = None
+        self.engine_metrics: dict = {}               # the engine's gauges and counters, as of the last step
 
     # --- called from the event loop / any thread ---------------------------------------------------
     def start(self) -> None:
@@ -322,22 +344,9 @@ class EngineLoop:
             items.append((sub, ("output", out)))
             if out.finished:
                 del self._subs[out.request_id]
-                self._observe_finished(sub, out, now)
+                if self.metrics:
+                    self.metrics.observe_finished(sub, out, now)
         self._deliver(items)
-
-    def _observe_finished(self, sub: Submission, out, now: float) -> None:
-        m = self.metrics
-        if m is None:
-            return
-        comp = out.outputs[0]
-        n = len(comp.token_ids)
-        m.requests.labels(outcome=comp.finish_reason or "stop").inc()
-        m.generation_tokens.inc(n)
-        if sub.first_token_time is not None:
-            m.ttft.observe(max(0.0, sub.first_token_time - sub.arrival))
-            if n > 1:
-                m.tpot.observe(max(0.0, now - sub.first_token_time) / (n - 1))
-        m.e2e.observe(max(0.0, now - sub.arrival))
 
     def _fail_all(self, err: APIError) -> None:
         """Abort every admitted request and send it `err`."""
@@ -387,10 +396,10 @@ class EngineLoop:
         self._publish_metrics()
 
     def _publish_metrics(self) -> None:
-        if self.metrics is None:
-            return
         try:
-            self.metrics.observe_engine(self.engine.get_metrics())
+            self.engine_metrics = self.engine.get_metrics()
+            if self.metrics is not None:
+                self.metrics.observe_engine(self.engine_metrics)
         except Exception:              # noqa: BLE001
             logger.exception("reading engine metrics failed")
 
@@ -454,27 +463,26 @@ class PromptPreparer:
     engine thread: a huge prompt must not stall everyone's decoding). One lock serialises tokenizer
     calls (Hugging Face tokenizers mutate their padding / truncation state per call)."""
 
-    def __init__(self, llm, max_prompt_chars: int):
-        self.llm = llm
-        self.engine = llm.engine
+    def __init__(self, frontend, max_prompt_chars: int):
+        self.frontend = frontend
         self.max_prompt_chars = max_prompt_chars
         self.lock = threading.Lock()
 
     def __call__(self, prompt, messages, sampling: dict, default_max_tokens: int | None):
         """-> (prompt text or None, token ids, max_tokens when none is given). Raises APIError."""
-        engine = self.engine
-        max_len = engine.config.max_model_len
+        fe = self.frontend
+        max_len = fe.max_model_len
         param = "messages" if messages is not None else "prompt"
         with self.lock:
             try:
                 if messages is not None:
-                    prompt = self.llm.apply_chat_template(messages)
+                    prompt = fe.apply_chat_template(messages)
                 if isinstance(prompt, str) and len(prompt) > self.max_prompt_chars:
                     # far more characters than the context can hold tokens: refuse before tokenizing
                     raise APIError(f"This model's maximum context length is {max_len} tokens, but the prompt "
                                    f"has {len(prompt)} characters (at least {len(prompt) // 16} tokens).",
                                    param=param, code="context_length_exceeded")
-                text, ids = engine.tokenize_prompt(prompt)
+                text, ids = fe.tokenize_prompt(prompt)
             except APIError:
                 raise
             except (ValueError, TypeError) as e:
@@ -488,14 +496,14 @@ class PromptPreparer:
             raise APIError("the prompt is empty", param=param)
         if sampling.get("structured_output") is not None:
             try:                      # compiled here, off the engine thread (the engine finds it cached)
-                engine.compile_grammar(sampling["structured_output"])
+                fe.compile_grammar(sampling["structured_output"])
             except ValueError as e:
                 raise APIError(str(e), param="response_format", code="invalid_value") from None
         if len(ids) >= max_len:
             raise APIError(f"This model's maximum context length is {max_len} tokens, but the prompt has "
                            f"{len(ids)} tokens (it must leave room for at least one new token).",
                            param=param, code="context_length_exceeded")
-        vocab = engine.model_cfg.vocab_size
+        vocab = fe.vocab_size
         if any(t < 0 or t >= vocab for t in ids):
             raise APIError(f"prompt token ids must be in [0, {vocab})", param=param, code="invalid_value")
         for name in ("logit_bias", "allowed_token_ids"):

@@ -1,0 +1,35 @@
+"""Prompts as the engine takes them: text, token ids, or chat messages through the model's chat
+template. Free functions of a tokenizer, shared by the engine, `LLM` and the HTTP front end (which
+may run without the model's weights)."""
+from __future__ import annotations
+
+
+def tokenize_prompt(tokenizer, prompt) -> tuple[str | None, list[int]]:
+    """(prompt text or None, token ids) of a string, a list of token ids, or a dict with
+    'prompt_token_ids' (and optionally the 'prompt' text they came from) or 'prompt'."""
+    if isinstance(prompt, dict):
+        if "prompt_token_ids" in prompt:
+            ids = prompt["prompt_token_ids"]
+            if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
+                raise ValueError("prompt_token_ids must be a list of integers")
+            return prompt.get("prompt"), list(ids)
+        if "prompt" in prompt:
+            prompt = prompt["prompt"]
+        else:
+            raise ValueError("a dict prompt needs 'prompt_token_ids' or 'prompt'")
+    if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+        return None, list(prompt)
+    if not isinstance(prompt, str):
+        raise ValueError(f"a prompt must be a string or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}")
+    if tokenizer is None:
+        raise ValueError("this model has no tokenizer: pass {'prompt_token_ids': [...]}")
+    return prompt, tokenizer(prompt, add_special_tokens=False).input_ids
+
+
+def apply_chat_template(tokenizer, messages, add_generation_prompt: bool = True) -> str:
+    """The prompt text of a conversation (a non-empty list of {'role', 'content'} dicts)."""
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        raise ValueError("this model has no chat template")
+    if not isinstance(messages, list) or not messages:
+        raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts")
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)

@@ -1,0 +1,213 @@
+"""A Ray cluster of several nodes on one machine, for tests: each node a `ray start --block` on its
+own loopback address (127.0.0.2, 127.0.0.3, ...; Ray rewrites 127.0.0.1 to the machine's address)
+with its own ports, and `draftwise serve` on it as a subprocess. Teardown kills exactly the
+processes this cluster started (each node's process tree, found through /proc), never `ray stop`,
+which would end every Ray process on the machine."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import httpx
+
+RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled", "RAY_DEDUP_LOGS": "0"}
+
+
+def ray_available() -> bool:
+    import importlib.util
+    return importlib.util.find_spec("ray") is not None and importlib.util.find_spec("ray.serve") is not None
+
+
+def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    socks, ports = [], []
+    for _ in range(n):
+        s = socket.socket()
+        s.bind((host, 0))
+        socks.append(s)
+        ports.append(s.getsockname()[1])
+    for s in socks:
+        s.close()
+    return ports
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid` (children first found through /proc/*/stat's parent field)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
+def kill_tree(proc: subprocess.Popen, grace: float = 3.0) -> None:
+    pids = [proc.pid] + descendants(proc.pid)
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in pids:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.time() + grace
+        while time.time() < deadline and any(_alive(p) for p in pids):
+            time.sleep(0.1)
+    try:
+        proc.wait(5)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+class LoopbackRayCluster:
+    def __init__(self, num_nodes: int = 2, cpus_per_node: int = 2):
+        self.ips = [f"127.0.0.{2 + i}" for i in range(num_nodes)]
+        self.cpus = cpus_per_node
+        self.nodes: list[subprocess.Popen] = []
+        self.tmp = tempfile.mkdtemp(prefix="dwray", dir="/tmp")    # Unix socket paths must stay short
+        self.env = {**os.environ, **RAY_ENV}
+        self.logs = []
+        self.gcs_port = None
+
+    @property
+    def address(self) -> str:
+        return f"{self.ips[0]}:{self.gcs_port}"
+
+    def _start_node(self, i: int) -> subprocess.Popen:
+        ip = self.ips[i]
+        p = free_ports(9)
+        args = [os.path.join(os.path.dirname(sys.executable), "ray"), "start", "--block",
+                f"--node-ip-address={ip}", f"--num-cpus={self.cpus}", "--disable-usage-stats",
+                f"--node-manager-port={p[0]}", f"--object-manager-port={p[1]}",
+                f"--min-worker-port={p[2]}", f"--max-worker-port={p[2] + 60}",
+                f"--dashboard-agent-listen-port={p[3]}", f"--metrics-export-port={p[4]}",
+                f"--runtime-env-agent-port={p[5]}", f"--dashboard-agent-grpc-port={p[6]}",
+                "--object-store-memory=200000000"]
+        if i == 0:
+            self.gcs_port = p[7]
+            args += ["--head", f"--port={self.gcs_port}", "--include-dashboard=false",
+                     f"--ray-client-server-port={p[8]}", f"--temp-dir={self.tmp}"]
+        else:
+            args += [f"--address={self.address}"]
+        log = open(os.path.join(self.tmp, f"node{i}.log"), "wb")
+        self.logs.append(log)
+        return subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True)
+
+    def start(self, timeout: float = 90.0) -> "LoopbackRayCluster":
+        self.nodes.append(self._start_node(0))
+        self._wait_for_port(self.ips[0], self.gcs_port, timeout)
+        for i in range(1, len(self.ips)):
+            self.nodes.append(self._start_node(i))
+        self.wait_for_nodes(len(self.ips), timeout)
+        return self
+
+    def _wait_for_port(self, host: str, port: int, timeout: float) -> None:
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            try:
+                socket.create_connection((host, port), 0.5).close()
+                return
+            except OSError:
+                time.sleep(0.2)
+        raise TimeoutError(f"Ray head on {host}:{port} did not start: {self.node_log(0)}")
+
+    def alive_nodes(self) -> list[str]:
+        code = ("import ray,json; ray.init(address=%r, _node_ip_address=%r, logging_level='ERROR');"
+                "print(json.dumps([n['NodeManagerAddress'] for n in ray.nodes() if n['Alive']]))"
+                % (self.address, self.ips[0]))
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=self.env,
+                             timeout=60)
+        import json
+        try:
+            return json.loads(out.stdout.strip().splitlines()[-1])
+        except (IndexError, ValueError):
+            return []
+
+    def wait_for_nodes(self, n: int, timeout: float) -> None:
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if len(self.alive_nodes()) >= n:
+                return
+            time.sleep(1)
+        raise TimeoutError(f"{n} Ray nodes did not come up: {self.node_log(len(self.nodes) - 1)}")
+
+    def node_log(self, i: int) -> str:
+        try:
+            with open(os.path.join(self.tmp, f"node{i}.log"), "rb") as f:
+                return f.read()[-2000:].decode(errors="replace")
+        except OSError:
+            return ""
+
+    def stop(self) -> None:
+        for p in reversed(self.nodes):
+            kill_tree(p)
+        for log in self.logs:
+            log.close()
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.stop()
+
+
+class RayServer:
+    """`draftwise serve --ray-address ...` as a subprocess, up until its endpoint answers."""
+
+    def __init__(self, cluster: LoopbackRayCluster, *serve_args: str, timeout: float = 240.0):
+        self.port = free_ports(1)[0]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = os.path.join(cluster.tmp, f"serve{self.port}.log")
+        self._log = open(self.log_path, "wb")
+        cmd = [sys.executable, "-m", "draftwise.entrypoints.cli", "serve", "--ray-address", cluster.address,
+               "--port", str(self.port), *serve_args]
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=cluster.env,
+                                     start_new_session=True)
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"draftwise serve exited: {self.log()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise TimeoutError(f"the Ray endpoint did not come up: {self.log()}")
+
+    def log(self) -> str:
+        with open(self.log_path, "rb") as f:
+            return f.read()[-4000:].decode(errors="replace")
+
+    def stop(self, timeout: float = 60.0) -> int | None:
+        """SIGTERM (drain and delete the applications), then the process tree if it lingers."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                kill_tree(self.proc)
+        self._log.close()
+        return self.proc.returncode
