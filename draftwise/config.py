@@ -234,6 +234,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     # tensor parallelism: the target sharded over this many processes (torch.distributed)
     tensor_parallel_size: int = 1
+    # where the worker ranks run: "mp" (local processes) or "ray" (Ray actors, across nodes)
+    distributed_executor_backend: str = "mp"
     # async scheduling: step n+1 is prepared (and step n's outputs detokenized) while step n runs
     async_scheduling: bool = False
 
@@ -243,6 +245,9 @@ class EngineConfig:
             if not sizes or not all(isinstance(x, int) and x >= 1 for x in sizes):
                 raise ValueError(f"compile_sizes must be positive integers, got {self.compile_sizes!r}")
             self.compile_sizes = tuple(sorted(set(sizes)))
+        if self.distributed_executor_backend not in ("mp", "ray"):
+            raise ValueError(f"distributed_executor_backend must be 'mp' or 'ray', got "
+                             f"{self.distributed_executor_backend!r}")
         if self.quantization is not None and self.quantization not in ("int8", "int4"):
             raise ValueError(f"unknown quantization {self.quantization!r}; choose 'int8', 'int4' or None")
         if self.dtype not in DTYPES:

@@ -77,6 +77,9 @@ class EngineArgs:
     compile_sizes: str | None = _opt(None, "static token buckets for compiled graphs, e.g. 1,2,4,8 (default)")
     enable_prefix_caching: bool = _opt(True, "automatic prefix caching")
     tensor_parallel_size: int = _opt(1, "shard the target over this many processes (torch.distributed)")
+    distributed_executor_backend: str = _opt("mp", "where tensor-parallel ranks run: mp (local processes) or ray "
+                                                   "(Ray actors on the cluster's nodes; pip install 'draftwise[ray]')",
+                                             choices=["mp", "ray"])
     async_scheduling: bool = _opt(False, "prepare step n+1 and detokenize step n while step n runs")
 
     # --- command line --------------------------------------------------------------------------
@@ -136,6 +139,7 @@ class EngineArgs:
             seed=self.seed, speculative_config=self.speculative(), enforce_eager=bool(self.enforce_eager),
             compile_sizes=sizes, quantization=resolve_quantization(self.model, self.quantization),
             enable_prefix_caching=self.enable_prefix_caching, tensor_parallel_size=self.tensor_parallel_size,
+            distributed_executor_backend=self.distributed_executor_backend,
             async_scheduling=self.async_scheduling,
             kv_cache_memory=None if self.kv_cache_memory is None else parse_bytes(self.kv_cache_memory),
             kv_cache_dtype=self.kv_cache_dtype)

@@ -1,8 +1,9 @@
 """Tensor-parallel worker processes and the driver that leads them.
 
 Rank 0 is the engine process itself (scheduler, sampler, drafters, and its own target shard); ranks
-1..N-1 are fresh Python processes (`python -m draftwise.distributed.worker`, so nothing depends on
-how the engine process was started). Each loads and shards the target, reports ready through the
+1..N-1 are fresh Python processes on this machine (`LocalRanks`), or Ray actors spread over a
+cluster's nodes (`RayRanks`, `distributed_executor_backend="ray"`), meeting at rank 0's node
+address. Each loads and shards the target, reports ready through the
 rendezvous store, and only then joins the process group (a worker that fails to start is reported
 with its error instead of a rendezvous timeout). Before every target
 forward rank 0 broadcasts the step (input ids, positions, the attention metadata's raw fields,
@@ -12,8 +13,9 @@ keeps the accepted path) are broadcast the same way. Commands: init, forward, co
 
 Failure handling: the driver checks its workers before each broadcast and a collective with a dead
 peer raises at once (gloo notices the closed connection), so a crashed worker turns every later step
-into a RuntimeError naming it - the engine fails its requests instead of hanging. Workers are daemon
-processes of the engine's process group and exit when it shuts down or its connection closes."""
+into a RuntimeError naming it - the engine fails its requests instead of hanging (and reports
+itself broken: a server's health check fails). Workers exit when the engine shuts down or its
+connection closes; Ray actors are also killed."""
 from __future__ import annotations
 
 import atexit
@@ -37,9 +39,9 @@ logger = logging.getLogger("draftwise")
 TIMEOUT = datetime.timedelta(seconds=300)
 
 
-def _free_port() -> int:
+def _free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 
@@ -58,23 +60,136 @@ def meta_fields(meta) -> dict:
             "tree_mask": meta.tree_mask, "tree_kv_lens": meta.tree_kv_lens}
 
 
+class LocalRanks:
+    """Ranks 1..N-1 as fresh Python processes on this machine (`python -m draftwise.distributed.worker`,
+    so nothing depends on how the engine process was started); their output goes to temp files."""
+
+    def __init__(self, config, world: int, host: str, port: int):
+        fd, self.config_path = tempfile.mkstemp(prefix="draftwise-tp-", suffix=".pkl")
+        with os.fdopen(fd, "wb") as f:
+            pickle.dump(config, f)
+        self.logs = [tempfile.TemporaryFile() for _ in range(1, world)]
+        self.procs = [subprocess.Popen([sys.executable, "-m", "draftwise.distributed.worker", self.config_path,
+                                        str(rank), str(world), str(port), host], stdout=log, stderr=log)
+                      for rank, log in zip(range(1, world), self.logs)]
+
+    def _tail(self, rank: int) -> str:
+        log = self.logs[rank - 1]
+        log.seek(0)
+        lines = log.read().decode(errors="replace").strip().splitlines()
+        return (": " + lines[-1]) if lines else ""
+
+    def dead(self, force: bool = False) -> str | None:
+        """What ended the first dead rank, None while all run."""
+        for rank, p in enumerate(self.procs, 1):
+            if p.poll() is not None:
+                return f"tensor-parallel worker {rank} exited (exit code {p.returncode}){self._tail(rank)}"
+        return None
+
+    def stop(self, timeout: float) -> None:
+        for p in self.procs:
+            try:
+                p.wait(timeout)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(5)
+        for log in self.logs:
+            log.close()
+        try:
+            os.unlink(self.config_path)
+        except OSError:
+            pass
+
+
+class RayRanks:
+    """Ranks 1..N-1 as Ray actors (multi-node tensor parallelism): each rank prefers a node other
+    than rank 0's, round robin over the cluster's live nodes (falling back to any node with room),
+    and runs `worker_main` as one long actor task. A rank's death shows as that task's error."""
+
+    CHECK_EVERY_S = 0.5
+
+    def __init__(self, config, world: int, host: str, port: int):
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+        own = ray.get_runtime_context().get_node_id()
+        others = [n["NodeID"] for n in ray.nodes() if n["Alive"] and n["NodeID"] != own] or [own]
+        actor_cls = ray.remote(TPRankActor)
+        self.actors, self.refs = [], []
+        for rank in range(1, world):
+            node = others[(rank - 1) % len(others)]
+            actor = actor_cls.options(num_cpus=threads_per_rank(world), max_restarts=0, max_concurrency=2,
+                                      scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=True)).remote()
+            self.actors.append(actor)
+            self.refs.append(actor.run.remote(config, rank, world, port, host))
+        self.node_ips = ray.get([a.node_ip.remote() for a in self.actors], timeout=120)
+        self.pids = ray.get([a.pid.remote() for a in self.actors], timeout=120)
+        self._checked = 0.0
+
+    def dead(self, force: bool = False) -> str | None:
+        """What ended the first dead rank, None while all run (asks Ray at most every
+        CHECK_EVERY_S unless forced: a dead peer also fails the next collective at once)."""
+        import ray
+        now = time.monotonic()
+        if not force and now - self._checked < self.CHECK_EVERY_S:
+            return None
+        self._checked = now
+        done, _ = ray.wait(self.refs, num_returns=len(self.refs), timeout=0)
+        for ref in done:
+            rank = self.refs.index(ref) + 1
+            try:
+                ray.get(ref)
+                return f"tensor-parallel worker {rank} (Ray actor on {self.node_ips[rank - 1]}) exited"
+            except Exception as e:     # noqa: BLE001 - the actor died or its loop raised
+                return f"tensor-parallel worker {rank} (Ray actor on {self.node_ips[rank - 1]}) died: " \
+                       f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+        return None
+
+    def stop(self, timeout: float) -> None:
+        import ray
+        try:
+            ray.wait(self.refs, num_returns=len(self.refs), timeout=timeout)
+        except Exception:              # noqa: BLE001
+            pass
+        for a in self.actors:
+            try:
+                ray.kill(a)
+            except Exception:          # noqa: BLE001
+                pass
+
+
+class TPRankActor:
+    """One worker rank as a Ray actor (wrapped with ray.remote by RayRanks)."""
+
+    def node_ip(self) -> str:
+        from draftwise.distributed.ray_utils import node_ip
+        return node_ip()
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def run(self, config, rank: int, world: int, port: int, host: str) -> None:
+        worker_main(config, rank, world, port, host)
+
+
 class TPDriver:
-    """Rank 0's side: starts the workers, joins the process group, broadcasts commands."""
+    """Rank 0's side: starts the worker ranks (local processes, or Ray actors with
+    `distributed_executor_backend="ray"`), joins the process group, broadcasts commands."""
 
     def __init__(self, config, world: int, start_timeout: float = 600.0):
         self.world = world
         self.device = config.device
         self.broken: str | None = None
         self.closed = False
-        port = _free_port()
-        self.store = dist.TCPStore("127.0.0.1", port, world, True, timeout=TIMEOUT, wait_for_workers=False)
-        fd, self.config_path = tempfile.mkstemp(prefix="draftwise-tp-", suffix=".pkl")
-        with os.fdopen(fd, "wb") as f:
-            pickle.dump(config, f)
-        self.logs = [tempfile.TemporaryFile() for _ in range(1, world)]
-        self.procs = [subprocess.Popen([sys.executable, "-m", "draftwise.distributed.worker", self.config_path,
-                                        str(rank), str(world), str(port)], stdout=log, stderr=log)
-                      for rank, log in zip(range(1, world), self.logs)]
+        if config.distributed_executor_backend == "ray":
+            from draftwise.distributed.ray_utils import connect, node_ip
+            connect()
+            host = node_ip()               # workers on other nodes meet at rank 0's address
+        else:
+            host = "127.0.0.1"
+        port = _free_port(host)
+        self.store = dist.TCPStore(host, port, world, True, timeout=TIMEOUT, wait_for_workers=False)
+        launcher = RayRanks if config.distributed_executor_backend == "ray" else LocalRanks
+        self.ranks = launcher(config, world, host, port)
         atexit.register(self.shutdown)
         deadline = time.time() + start_timeout
         for rank in range(1, world):
@@ -93,17 +208,9 @@ class TPDriver:
         except Exception:              # noqa: BLE001
             return False
 
-    def _tail(self, rank: int) -> str:
-        log = self.logs[rank - 1]
-        log.seek(0)
-        lines = log.read().decode(errors="replace").strip().splitlines()
-        return (": " + lines[-1]) if lines else ""
-
     def _check(self) -> None:
         if self.broken is None:
-            for rank, p in enumerate(self.procs, 1):
-                if p.poll() is not None:
-                    self.broken = f"tensor-parallel worker {rank} exited (exit code {p.returncode}){self._tail(rank)}"
+            self.broken = self.ranks.dead()
         if self.broken is not None:
             raise EngineFault(self.broken + "; restart the engine")
         if self.closed:
@@ -114,22 +221,24 @@ class TPDriver:
         try:
             dist.broadcast_object_list([(kind, payload)], src=0)
         except Exception as e:         # a peer went away mid-collective
-            self.broken = f"tensor-parallel collective failed ({e})"
-            raise EngineFault(self.broken) from None
+            self._fail(e)
 
     def collective(self, fn):
         """Run rank 0's part of a step (its own shard), turning a failed collective into a clear error."""
         try:
             return fn()
         except RuntimeError as e:
-            time.sleep(0.2)            # let a crashed worker's exit become visible
-            if self.broken is None and any(p.poll() is not None for p in self.procs):
-                try:
-                    self._check()
-                except RuntimeError:
-                    pass
-            self.broken = self.broken or f"tensor-parallel collective failed ({e})"
-            raise EngineFault(self.broken) from None
+            self._fail(e)
+
+    def _fail(self, err: Exception):
+        """A collective failed: name the rank that died if its death shows within a few seconds."""
+        deadline = time.time() + 5.0
+        while self.broken is None and time.time() < deadline:
+            self.broken = self.ranks.dead(force=True)
+            if self.broken is None:
+                time.sleep(0.2)
+        self.broken = self.broken or f"tensor-parallel collective failed ({err})"
+        raise EngineFault(self.broken) from None
 
     def shutdown(self, timeout: float = 10.0) -> None:
         if self.closed:
@@ -140,26 +249,15 @@ class TPDriver:
         except RuntimeError:
             pass
         self.closed = True
-        for p in self.procs:
-            try:
-                p.wait(timeout)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait(5)
+        self.ranks.stop(timeout)
         try:
             if dist.is_initialized():
                 dist.destroy_process_group()
         except Exception:              # noqa: BLE001 - already gone
             pass
-        for log in self.logs:
-            log.close()
-        try:
-            os.unlink(self.config_path)
-        except OSError:
-            pass
 
 
-def worker_main(config, rank: int, world: int, port: int) -> None:
+def worker_main(config, rank: int, world: int, port: int, host: str = "127.0.0.1") -> None:
     """A worker rank: load and shard the target, then execute broadcast commands until shutdown."""
     torch.set_num_threads(threads_per_rank(world))
     torch.set_grad_enabled(False)
@@ -169,7 +267,7 @@ def worker_main(config, rank: int, world: int, port: int) -> None:
     from draftwise.models.loader import load_target_model
     model, cfg, _ = load_target_model(config.model, config.torch_dtype, config.device,
                                       max_position=config.max_model_len + 256)
-    store = dist.TCPStore("127.0.0.1", port, world, False, timeout=TIMEOUT)
+    store = dist.TCPStore(host, port, world, False, timeout=TIMEOUT)
     store.set(f"ready{rank}", "1")
     dist.init_process_group(_backend(config.device), store=store, rank=rank, world_size=world, timeout=TIMEOUT)
     shard_target(model, rank, world)
@@ -202,4 +300,4 @@ def worker_main(config, rank: int, world: int, port: int) -> None:
 if __name__ == "__main__":
     with open(sys.argv[1], "rb") as f:
         cfg = pickle.load(f)
-    worker_main(cfg, int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))
+    worker_main(cfg, int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5])

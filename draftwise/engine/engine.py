@@ -246,6 +246,11 @@ class LLMEngine:
                 self.proposer.on_request_finished(req)
         return self._make_output(req, [], "")
 
+    @property
+    def fault(self) -> str | None:
+        """Why the engine can no longer step (a tensor-parallel rank died), None while healthy."""
+        return self.tp.broken if self.tp is not None else None
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or self._inflight is not None
 

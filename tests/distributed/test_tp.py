@@ -69,7 +69,7 @@ def test_bad_tensor_parallel_sizes(targets):
 def test_a_crashed_worker_fails_requests_with_a_clear_error(targets):
     llm = LLM(targets["llama"], speculative_config=None, block_size=4, max_model_len=128, tensor_parallel_size=2)
     assert _gen(llm, GREEDY)
-    worker = llm.engine.tp.procs[0]
+    worker = llm.engine.tp.ranks.procs[0]
     os.kill(worker.pid, signal.SIGKILL)
     worker.wait(10)
     t0 = time.time()

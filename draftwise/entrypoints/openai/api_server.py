@@ -264,7 +264,9 @@ def build_app(llm, served_model_name: str, api_key: str | None = None, max_reque
     @app.get("/health", response_model=P.HealthStatus, responses={503: {"model": P.HealthStatus}})
     async def health():
         if not state.engine_loop.alive:
-            return JSONResponse({"status": "engine not running"}, status_code=503)
+            fault = getattr(state.engine_loop, "fault", None)
+            return JSONResponse({"status": f"engine failed: {fault}" if fault else "engine not running"},
+                                status_code=503)
         if state.draining:
             return JSONResponse({"status": "draining"}, status_code=503)
         return {"status": "ok"}

@@ -182,7 +182,12 @@ class EngineLoop:
 
     @property
     def alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and not self._closed
+        return self._thread is not None and self._thread.is_alive() and not self._closed and self.fault is None
+
+    @property
+    def fault(self) -> str | None:
+        """Why the engine cannot step any more (e.g. a tensor-parallel rank died), None if healthy."""
+        return getattr(self.engine, "fault", None)
 
     def stop(self, timeout: float = 10.0) -> None:
         if self._thread is None:
@@ -207,7 +212,9 @@ class EngineLoop:
         """Queue a request; returns its output queue once the engine accepted it (raises APIError)."""
         with self._lock:               # either the engine thread will answer, or we refuse here
             if self._closed or not self.alive:
-                raise APIError("the engine is not running", 503, type="server_error", code="engine_unavailable")
+                why = f": {self.fault}" if self.fault else ""
+                raise APIError(f"the engine is not running{why}", 503, type="server_error",
+                               code="engine_unavailable")
             limit = self.max_num_queued_requests
             if limit is not None and self.num_outstanding >= self.engine.config.max_num_seqs + limit:
                 if self.metrics:

@@ -67,13 +67,6 @@ def ingress_deployment(info: dict, args, api_key: str | None):
                             graceful_shutdown_timeout_s=args.shutdown_timeout).bind()
 
 
-def _loopback_host(address: str | None) -> str | None:
-    """A cluster on loopback addresses (several nodes on one machine, head on 127.0.0.2): this
-    driver must register on the head's address, since Ray would pick the machine's own."""
-    host = (address or "").rsplit(":", 1)[0]
-    return host if host.startswith("127.") else None
-
-
 def engine_options_of(args) -> dict:
     from draftwise.engine_args import EngineArgs
     return dataclasses.asdict(EngineArgs.from_cli_args(args))
@@ -81,11 +74,9 @@ def engine_options_of(args) -> dict:
 
 def start(args, api_key: str | None) -> dict:
     """Deploy both applications (connecting to / starting Ray first); -> the replicas' description."""
-    import ray
     from ray import serve
-    if not ray.is_initialized():
-        ray.init(address=args.ray_address, include_dashboard=False, logging_level=logging.WARNING,
-                 _node_ip_address=_loopback_host(args.ray_address))
+    from draftwise.distributed.ray_utils import connect
+    connect(args.ray_address)
     serve.start(proxy_location="HeadOnly", http_options={"host": args.host, "port": args.port})
     serve.run(engine_deployment(engine_options_of(args), args), name=ENGINE_APP, route_prefix=None)
     info = serve.get_deployment_handle(ENGINE_DEPLOYMENT, app_name=ENGINE_APP).describe.remote().result()

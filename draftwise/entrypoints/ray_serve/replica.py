@@ -68,6 +68,9 @@ class EngineReplica:
         return m
 
     def check_health(self) -> None:
+        """Ray Serve calls this periodically and replaces the replica when it raises."""
+        if self.loop.fault:
+            raise RuntimeError(f"the engine failed: {self.loop.fault}")
         if not self.loop.alive:
             raise RuntimeError(f"the engine thread is not running ({self.loop.fatal_error!r})")
 
@@ -82,7 +85,7 @@ class EngineReplica:
 
 def _node_ip() -> str:
     try:
-        import ray
-        return ray.util.get_node_ip_address()
+        from draftwise.distributed.ray_utils import node_ip
+        return node_ip()
     except Exception:                  # noqa: BLE001 - outside Ray (tests)
         return "127.0.0.1"
