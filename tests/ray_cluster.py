@@ -89,14 +89,26 @@ class LoopbackRayCluster:
         self.env = {**os.environ, **RAY_ENV}
         self.logs = []
         self.gcs_port = None
+        self._worker_ranges: list[tuple[int, int]] = []
 
     @property
     def address(self) -> str:
         return f"{self.ips[0]}:{self.gcs_port}"
 
+    def _ports(self, n: int) -> list[int]:
+        """n free ports, none inside a worker-port range (this node's: the third port + 60, or an
+        earlier node's): Ray refuses a port that another of its components may take."""
+        while True:
+            p = free_ports(n)
+            ranges = self._worker_ranges + [(p[2], p[2] + 60)]
+            if all(not (lo <= x <= hi) for x in p[:2] + p[3:] for lo, hi in ranges) and \
+                    all(not (lo <= p[2] + 60 and p[2] <= hi) for lo, hi in self._worker_ranges):
+                self._worker_ranges.append((p[2], p[2] + 60))
+                return p
+
     def _start_node(self, i: int) -> subprocess.Popen:
         ip = self.ips[i]
-        p = free_ports(9)
+        p = self._ports(9)
         args = [os.path.join(os.path.dirname(sys.executable), "ray"), "start", "--block",
                 f"--node-ip-address={ip}", f"--num-cpus={self.cpus}", "--disable-usage-stats",
                 f"--node-manager-port={p[0]}", f"--object-manager-port={p[1]}",

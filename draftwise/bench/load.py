@@ -10,7 +10,11 @@ token when streaming). Only loopback URLs are accepted unless --allow-remote is 
 --dataset, MT-bench / Spec-Bench question.jsonl, or follow-ups to the default prompts); turn k
 resends the whole history with the model's own earlier answers, as a chat client does. Time to first
 token is reported for first turns and for follow-up turns apart: follow-ups are where automatic
-prefix caching saves the prefill of the history.
+prefix caching saves the prefill of the history. Each session names itself (`x-session-id`), so a
+router in front of several replicas (`serve --data-parallel-size N`) can keep it on one replica.
+
+When the server exposes draftwise's /metrics, the summary adds what the run did to them: the
+prefix-cache hit rate over its prompt tokens and the mean speculative acceptance length.
 """
 import asyncio
 import ipaddress
@@ -51,7 +55,7 @@ def _is_loopback(url: str) -> bool:
 
 async def _run(url: str, num_requests: int, concurrency: int, max_tokens: int, prompts: list,
                model: str | None, api_key: str | None, stream: bool, chat: bool, temperature: float,
-               timeout: float, turns: int = 1) -> dict:
+               timeout: float, turns: int = 1, settle_s: float = 0.0) -> dict:
     import httpx
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     base = url.rstrip("/")
@@ -73,12 +77,12 @@ async def _run(url: str, num_requests: int, concurrency: int, max_tokens: int, p
                 for t in range(turns if chat else 1):
                     user = conv[t] if t < len(conv) else "Tell me more."
                     history.append({"role": "user", "content": user})
-                    answer = await one(history if chat else user, t > 0)
+                    answer = await one(history if chat else user, t > 0, f"load-{i}")
                     if answer is None:
                         return
                     history.append({"role": "assistant", "content": answer})
 
-        async def one(p, follow_up: bool):
+        async def one(p, follow_up: bool, session_id: str):
             body = {"model": model, "max_tokens": max_tokens, "temperature": temperature, "ignore_eos": True}
             if chat:
                 body["messages"] = list(p)
@@ -93,7 +97,7 @@ async def _run(url: str, num_requests: int, concurrency: int, max_tokens: int, p
                     body["stream"] = True
                     body["stream_options"] = {"include_usage": True}
                     usage, first = None, None
-                    async with client.stream("POST", path, json=body) as r:
+                    async with client.stream("POST", path, json=body, headers={"x-session-id": session_id}) as r:
                         if r.status_code != 200:
                             await r.aread()
                             raise RuntimeError(f"HTTP {r.status_code}: {r.text[:200]}")
@@ -115,7 +119,7 @@ async def _run(url: str, num_requests: int, concurrency: int, max_tokens: int, p
                     if first is not None:
                         (follow_ttfts if follow_up else ttfts).append(first - t0)
                 else:
-                    r = await client.post(path, json=body)
+                    r = await client.post(path, json=body, headers={"x-session-id": session_id})
                     if r.status_code != 200:
                         raise RuntimeError(f"HTTP {r.status_code}: {r.text[:200]}")
                     data = r.json()
@@ -131,9 +135,12 @@ async def _run(url: str, num_requests: int, concurrency: int, max_tokens: int, p
                 return None
             return "".join(text)
 
+        before = await _server_counters(client)
         t_start = time.perf_counter()
         await asyncio.gather(*(session(i) for i in range(num_requests)))
         wall = time.perf_counter() - t_start
+        await asyncio.sleep(settle_s)          # replicas behind a router report every second
+        after = await _server_counters(client)
 
     ok = len(latencies)
     res = {
@@ -152,16 +159,43 @@ async def _run(url: str, num_requests: int, concurrency: int, max_tokens: int, p
         if follow_ttfts:
             res["follow_up_ttft_p50_s"] = _percentile(follow_ttfts, 50)
             res["follow_up_ttft_p99_s"] = _percentile(follow_ttfts, 99)
+    if before is not None and after is not None:
+        d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+        if d.get("draftwise_prefix_cache_queries_total", 0) > 0:
+            res["prefix_cache_hit_rate"] = d["draftwise_prefix_cache_hits_total"] / d["draftwise_prefix_cache_queries_total"]
+        if d.get("draftwise_spec_decode_num_drafts_total", 0) > 0:
+            res["spec_acceptance_length"] = 1 + (d["draftwise_spec_decode_num_accepted_tokens_total"]
+                                                 / d["draftwise_spec_decode_num_drafts_total"])
     if errors:
         res["first_errors"] = errors[:5]
     return res
+
+
+COUNTERS = ("draftwise_prefix_cache_queries_total", "draftwise_prefix_cache_hits_total",
+            "draftwise_spec_decode_num_drafts_total", "draftwise_spec_decode_num_accepted_tokens_total")
+
+
+async def _server_counters(client) -> dict | None:
+    """The server's prefix-cache and speculative-decoding counters (None without draftwise /metrics)."""
+    try:
+        r = await client.get("/metrics")
+    except Exception:                  # noqa: BLE001
+        return None
+    if r.status_code != 200:
+        return None
+    out = {}
+    for line in r.text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in COUNTERS:
+            out[name] = float(value)
+    return out or None
 
 
 def run_load_test(url: str = "http://127.0.0.1:8000", num_requests: int = 200, concurrency: int = 8,
                   max_tokens: int = 64, prompts: list[str] | None = None, model: str | None = None,
                   api_key: str | None = None, stream: bool = True, chat: bool = False,
                   temperature: float = 0.0, timeout: float = 600.0, allow_remote: bool = False,
-                  turns: int = 1) -> dict:
+                  turns: int = 1, settle_s: float = 0.0) -> dict:
     """Run the load test and return its summary (see `format_results`)."""
     if num_requests < 1 or concurrency < 1 or max_tokens < 1:
         raise ValueError("num_requests, concurrency and max_tokens must be >= 1")
@@ -169,7 +203,7 @@ def run_load_test(url: str = "http://127.0.0.1:8000", num_requests: int = 200, c
         raise ValueError(f"{url} is not a loopback address (pass allow_remote=True / --allow-remote)")
     return asyncio.run(_run(url, num_requests, min(concurrency, num_requests), max_tokens,
                             prompts or DEFAULT_PROMPTS, model, api_key, stream, chat, temperature, timeout,
-                            turns))
+                            turns, settle_s))
 
 
 def format_results(r: dict) -> str:
@@ -185,6 +219,11 @@ def format_results(r: dict) -> str:
     if "follow_up_ttft_p50_s" in r:
         lines.append(f"time to first token, follow-up turns: p50 {r['follow_up_ttft_p50_s'] * 1000:.0f} ms, "
                      f"p99 {r['follow_up_ttft_p99_s'] * 1000:.0f} ms")
+    if "prefix_cache_hit_rate" in r or "spec_acceptance_length" in r:
+        lines.append("server: " + ", ".join(
+            ([f"prefix-cache hit rate {r['prefix_cache_hit_rate']:.3f}"] if "prefix_cache_hit_rate" in r else [])
+            + ([f"mean acceptance length {r['spec_acceptance_length']:.2f}"] if "spec_acceptance_length" in r
+               else [])))
     for e in r.get("first_errors", []):
         lines.append(f"error: {e}")
     return "\n".join(lines)

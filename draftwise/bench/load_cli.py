@@ -24,7 +24,12 @@ def main(argv=None) -> None:
     ap.add_argument("--allow-remote", action="store_true")
     ap.add_argument("--json", action="store_true", help="print the summary as JSON")
     ap.add_argument("--turns", type=int, default=1, help="chat: user turns per session (multi-turn)")
-    ap.add_argument("--dataset", default=None, help="question.jsonl (MT-bench / Spec-Bench) for the sessions")
+    ap.add_argument("--dataset", default=None,
+                    help="prompts for the sessions: a question.jsonl path (MT-bench / Spec-Bench), or code-edits, "
+                         "sharegpt, humaneval, json-schema")
+    ap.add_argument("--settle", type=float, default=1.5,
+                    help="seconds to wait before reading the server's counters after the run (replicas "
+                         "behind a router report every second; default: 1.5)")
     ap.add_argument("--bad-input", action="store_true",
                     help="send the bad-input catalogue beside well-formed streams (draftwise/bench/soak.py)")
     ap.add_argument("--soak", action="store_true",
@@ -51,11 +56,11 @@ def main(argv=None) -> None:
         return
     prompts = None
     if a.dataset:
-        from draftwise.bench.datasets import load_question_jsonl
-        prompts = load_question_jsonl(a.dataset)
+        from draftwise.bench.datasets import load_prompts
+        prompts = load_prompts(a.dataset, None)
     res = run_load_test(a.url, a.num_requests, a.concurrency, a.max_tokens, prompts=prompts, model=a.model,
                         api_key=a.api_key, stream=not a.no_stream, chat=a.chat, temperature=a.temperature,
-                        allow_remote=a.allow_remote, turns=a.turns)
+                        allow_remote=a.allow_remote, turns=a.turns, settle_s=a.settle)
     print(json.dumps(res, indent=2) if a.json else format_results(res))
 
 

@@ -97,13 +97,15 @@ def stop() -> None:
 def run(args, api_key: str | None) -> None:
     """Serve until SIGTERM / SIGINT."""
     import ray
+    from draftwise.distributed.ray_utils import connect
+    connect(args.ray_address)              # ray.init installs its own signal handlers: ours go after
+    done = threading.Event()               # a signal during start-up stops right after it
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: done.set())
     info = start(args, api_key)
     logger.info("serving %r on Ray: %d engine replica(s), http://%s:%d (max_model_len=%d)",
                 args.served_model_name or args.model, args.data_parallel_size, args.host, args.port,
                 info["max_model_len"])
-    done = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: done.set())
     done.wait()
     logger.info("stopping: draining running requests (up to %.0fs)", args.shutdown_timeout)
     stop()
