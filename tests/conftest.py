@@ -33,3 +33,4 @@ def ray_cluster():
         pytest.skip("ray[serve] is not installed")
     with LoopbackRayCluster(num_nodes=2) as cluster:
         yield cluster
+    assert not cluster.leftovers(), cluster.leftovers()      # nothing of the test outlives it

@@ -172,10 +172,28 @@ class LoopbackRayCluster:
             return ""
 
     def stop(self) -> None:
+        self._stopped_pids = [q for p in self.nodes for q in [p.pid] + descendants(p.pid)]
         for p in reversed(self.nodes):
             kill_tree(p)
         for log in self.logs:
             log.close()
+
+    def leftovers(self) -> list[str]:
+        """Processes of this cluster still alive: those it had when stopped (Ray renames its
+        workers' command lines) and any whose command line names its temp dir."""
+        out = [f"{pid}: process of the stopped cluster" for pid in getattr(self, "_stopped_pids", [])
+               if _alive(pid)]
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit() or not _alive(int(entry)):
+                continue
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if self.tmp in cmd:
+                out.append(f"{entry}: {cmd[:120]}")
+        return out
 
     def __enter__(self):
         return self.start()

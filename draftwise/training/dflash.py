@@ -14,10 +14,8 @@ mask, so its logits equal the engine's (tests/spec_decode/test_dflash.py checks 
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
-import time
 from dataclasses import asdict, dataclass
 
 import torch
@@ -25,7 +23,7 @@ import torch.nn.functional as F
 
 from draftwise.config import ModelConfig
 from draftwise.models.dflash import DFlashDraftModel, save_dflash_checkpoint, spread_target_layer_ids
-from draftwise.training.eagle3 import lr_at
+from draftwise.training.loop import SequenceResult, run_training
 
 logger = logging.getLogger("draftwise")
 
@@ -298,50 +296,27 @@ def train_dflash(cfg: DFlashTrainConfig, progress: bool = True) -> str:
     log_path = os.path.join(cfg.out, "train_log.jsonl")
     bar = tqdm(total=cfg.total_steps, initial=step, desc="train dflash", disable=not progress,
                dynamic_ncols=True)
-    t_start = time.time()
     model.train()
-    while step < cfg.total_steps:
-        opt.zero_grad(set_to_none=True)
-        n_tok = 0
-        corr, cnt = [0] * (B - 1), [0] * (B - 1)
-        acc_sum, blocks = 0, 0
-        loss_sum, n_seq = 0.0, 0
-        while n_tok < cfg.tokens_per_step:
-            seq = next(data)
-            n_tok += len(seq)
-            anchors = sample_anchors(seq.loss_mask.tolist(), B, cfg.anchors_per_seq,
-                                     _step_seed(cfg.seed, tokens_seen + n_tok))
-            if anchors.numel() == 0:
-                continue
-            loss, c, n, (a, b) = _sequence_loss(model, target, seq, anchors, cfg)
-            if loss.requires_grad:
-                (loss * len(seq) / cfg.tokens_per_step).backward()
-            loss_sum += float(loss.detach())
-            n_seq += 1
-            corr = [x + y for x, y in zip(corr, c)]
-            cnt = [x + y for x, y in zip(cnt, n)]
-            acc_sum += a
-            blocks += b
-        torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
-        for g in opt.param_groups:
-            g["lr"] = lr_at(step, cfg)
-        opt.step()
-        step += 1
-        tokens_seen += n_tok
-        acc = [c / n if n else 0.0 for c, n in zip(corr, cnt)]
-        tau = 1 + acc_sum / blocks if blocks else float("nan")
-        bar.set_postfix(loss=f"{loss_sum / max(1, n_seq):.3f}", tau=f"{tau:.2f}",
-                        acc=" ".join(f"{x:.2f}" for x in acc[:4]))
-        bar.update(1)
-        rec = {"step": step, "tokens": tokens_seen, "epoch": data.epoch, "loss": loss_sum / max(1, n_seq),
-               "acc": acc, "acceptance_length": tau, "lr": lr_at(step - 1, cfg),
-               "elapsed_s": time.time() - t_start}
-        if heldout and (step % cfg.eval_every == 0 or step == cfg.total_steps):
-            rec.update(evaluate(model, target, heldout, cfg))
-        with open(log_path, "a") as f:
-            f.write(json.dumps(rec) + "\n")
-        if step % cfg.save_every == 0 or step == cfg.total_steps:
-            _save(cfg, model, opt, step, data.state(), tokens_seen, arch)
+
+    def sequence_loss(seq, tokens_read):
+        # anchors drawn from a seed of the tokens read so far: a resumed run draws the same ones
+        anchors = sample_anchors(seq.loss_mask.tolist(), B, cfg.anchors_per_seq,
+                                 _step_seed(cfg.seed, tokens_read))
+        if anchors.numel() == 0:
+            return SequenceResult(None, [], [])
+        loss, c, n, (a, b) = _sequence_loss(model, target, seq, anchors, cfg)
+        return SequenceResult(loss, list(c), list(n), {"accepted": a, "blocks": b})
+
+    def describe(extra):
+        blocks = extra.get("blocks", 0)
+        return {"acceptance_length": 1 + extra.get("accepted", 0) / blocks if blocks else float("nan")}
+
+    def save(step, tokens_seen, _last_eval):
+        _save(cfg, model, opt, step, data.state(), tokens_seen, arch)
+
+    run_training(cfg, opt=opt, params=params, data=data, step=step, tokens_seen=tokens_seen, log_path=log_path,
+                 sequence_loss=sequence_loss, describe=describe,
+                 evaluate=(lambda: evaluate(model, target, heldout, cfg)) if heldout else None, save=save, bar=bar)
     bar.close()
     return os.path.join(cfg.out, "export")
 

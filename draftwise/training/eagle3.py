@@ -9,16 +9,14 @@ of its own position, with RoPE positions t+i exactly as in inference.
 """
 from __future__ import annotations
 
-import json
-import math
 import os
-import time
 from dataclasses import asdict, dataclass
 
 import torch
 
 from draftwise.config import ModelConfig
 from draftwise.models.eagle3 import Eagle3LlamaForCausalLM, save_eagle3_checkpoint
+from draftwise.training.loop import SequenceResult, run_training
 
 
 @dataclass
@@ -211,14 +209,6 @@ def build_draft(target, d2t, t2d, max_position: int) -> Eagle3LlamaForCausalLM:
     return model
 
 
-def lr_at(step: int, cfg) -> float:
-    """Linear warm-up, then cosine decay to min_lr_ratio * lr (any config with these fields)."""
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    prog = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.total_steps - cfg.warmup_steps))
-    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * prog)))
-
-
 def expected_acceptance_length(step_acc: list[float]) -> float:
     """1 + sum_i prod_{j<=i} acc_j: acceptance length implied by conditional per-step accuracies."""
     out, run = 1.0, 1.0
@@ -360,45 +350,21 @@ def train_eagle3(cfg: TrainConfig, progress: bool = True) -> str:
         heldout = [s.truncate(cfg.max_len) for s in heldout]
     bar = tqdm(total=cfg.total_steps, initial=step, desc="train eagle3", disable=not progress,
                dynamic_ncols=True)
-    t_start = time.time()
-    last_eval = state.get("heldout_acc") if state is not None else None
+    resumed_eval = state.get("heldout_acc") if state is not None else None
     model.train()
-    while step < cfg.total_steps:
-        opt.zero_grad(set_to_none=True)
-        n_tok = 0
-        corr = [0] * cfg.ttt_steps
-        cnt = [0] * cfg.ttt_steps
-        loss_sum, n_seq = 0.0, 0
-        while n_tok < cfg.tokens_per_step:
-            seq = next(data)
-            with torch.autocast("cpu", dtype=amp or torch.bfloat16, enabled=amp is not None):
-                loss, st, _ = _sequence_loss(model, teacher, seq, cfg)
-            if loss.requires_grad:
-                (loss * len(seq) / cfg.tokens_per_step).backward()
-            loss_sum += float(loss.detach())
-            n_seq += 1
-            n_tok += len(seq)
-            for i, (c, n) in enumerate(st):
-                corr[i] += c
-                cnt[i] += n
-        torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
-        for g in opt.param_groups:
-            g["lr"] = lr_at(step, cfg)
-        opt.step()
-        step += 1
-        tokens_seen += n_tok
-        acc = [c / n if n else 0.0 for c, n in zip(corr, cnt)]
-        bar.set_postfix(loss=f"{loss_sum / max(1, n_seq):.3f}", acc=" ".join(f"{a:.2f}" for a in acc[:4]))
-        bar.update(1)
-        rec = {"step": step, "tokens": tokens_seen, "epoch": data.epoch, "loss": loss_sum / max(1, n_seq),
-               "acc": acc, "lr": lr_at(step - 1, cfg), "elapsed_s": time.time() - t_start}
-        if heldout and (step % cfg.eval_every == 0 or step == cfg.total_steps):
-            rec.update(evaluate(model, teacher, heldout, cfg))
-            last_eval = rec["heldout_acc"]
-        with open(log_path, "a") as f:
-            f.write(json.dumps(rec) + "\n")
-        if step % cfg.save_every == 0 or step == cfg.total_steps:
-            _save(cfg, model, opt, step, data.state(), tokens_seen, d2t, t2d, coverage, aux_layers, last_eval)
+
+    def sequence_loss(seq, _tokens_read):
+        with torch.autocast("cpu", dtype=amp or torch.bfloat16, enabled=amp is not None):
+            loss, st, _ = _sequence_loss(model, teacher, seq, cfg)
+        return SequenceResult(loss, [c for c, _ in st], [n for _, n in st])
+
+    def save(step, tokens_seen, last_eval):
+        heldout_acc = last_eval["heldout_acc"] if last_eval else resumed_eval
+        _save(cfg, model, opt, step, data.state(), tokens_seen, d2t, t2d, coverage, aux_layers, heldout_acc)
+
+    run_training(cfg, opt=opt, params=params, data=data, step=step, tokens_seen=tokens_seen, log_path=log_path,
+                 sequence_loss=sequence_loss, evaluate=(lambda: evaluate(model, teacher, heldout, cfg)) if heldout
+                 else None, save=save, bar=bar)
     bar.close()
     return os.path.join(cfg.out, "export")
 
