@@ -236,7 +236,8 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     # where the worker ranks run: "mp" (local processes) or "ray" (Ray actors, across nodes)
     distributed_executor_backend: str = "mp"
-    # async scheduling: step n+1 is prepared (and step n's outputs detokenized) while step n runs
+    # async scheduling: the model runs on a worker thread; while step n runs, step n+1's KV blocks
+    # are reserved and step n-1's outputs detokenized (engine._step_async)
     async_scheduling: bool = False
 
     def __post_init__(self):

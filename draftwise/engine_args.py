@@ -80,7 +80,8 @@ class EngineArgs:
     distributed_executor_backend: str = _opt("mp", "where tensor-parallel ranks run: mp (local processes) or ray "
                                                    "(Ray actors on the cluster's nodes; pip install 'draftwise[ray]')",
                                              choices=["mp", "ray"])
-    async_scheduling: bool = _opt(False, "prepare step n+1 and detokenize step n while step n runs")
+    async_scheduling: bool = _opt(False, "run the model on a worker thread: reserve step n+1's KV blocks and "
+                                         "detokenize step n-1 while step n runs")
 
     # --- command line --------------------------------------------------------------------------
     @classmethod
