@@ -127,11 +127,15 @@ class LoopbackRayCluster:
         return subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True)
 
     def start(self, timeout: float = 90.0) -> "LoopbackRayCluster":
-        self.nodes.append(self._start_node(0))
-        self._wait_for_port(self.ips[0], self.gcs_port, timeout)
-        for i in range(1, len(self.ips)):
-            self.nodes.append(self._start_node(i))
-        self.wait_for_nodes(len(self.ips), timeout)
+        try:
+            self.nodes.append(self._start_node(0))
+            self._wait_for_port(self.ips[0], self.gcs_port, timeout)
+            for i in range(1, len(self.ips)):
+                self.nodes.append(self._start_node(i))
+            self.wait_for_nodes(len(self.ips), timeout)
+        except BaseException:
+            self.stop()                # a node that did start must not outlive the failure
+            raise
         return self
 
     def _wait_for_port(self, host: str, port: int, timeout: float) -> None:
