@@ -15,6 +15,10 @@ DFlash drafter) run unsharded on rank 0 only: they are small, and sharding them 
 all-reduces per draft layer per drafting pass for matmuls of a few hundred KFLOPs. They read the
 target's embedding / LM head through `DrafterTargetView`, which keeps full copies on rank 0.
 
+On rank 0 the sharded model is wrapped in `TensorParallelTarget`, which the model runner calls like
+any target: the broadcast to the worker ranks happens inside the call, so the step code has no
+tensor-parallel branch.
+
 Head counts that do not divide (e.g. SmolLM2's 3 KV heads on 2 ranks) are refused with an error
 naming the numbers."""
 from __future__ import annotations
@@ -140,7 +144,39 @@ def shard_target(model: nn.Module, rank: int, world: int, group=None) -> nn.Modu
     model.embed_tokens = VocabParallelEmbedding(emb[lo:hi], lo, group)
     model.lm_head = VocabParallelLMHead(head[lo:hi], V, shard, rank, world, group)
     model.tp_rank, model.tp_world = rank, world
+    model.num_local_kv_heads = kv_loc
     return model
+
+
+class TensorParallelTarget:
+    """Rank 0's sharded target, called exactly like an unsharded one, so the step code never sees
+    tensor parallelism: a call broadcasts the step (input ids, positions, the attention metadata's
+    raw fields, logits rows) to the worker ranks and runs this rank's shard, meeting them at the
+    all-reduces; `bind_kv_cache` sizes the workers' caches and mirrors moves of the target layers'
+    KV slots (tree verification keeps the accepted path) on them. Everything else (config, LM
+    head, aux-layer settings) reads through to the model."""
+
+    def __init__(self, model: nn.Module, driver):
+        self.__dict__["model"] = model
+        self.__dict__["driver"] = driver
+
+    def __getattr__(self, name):
+        return getattr(self.__dict__["model"], name)
+
+    def __setattr__(self, name, value):
+        setattr(self.__dict__["model"], name, value)
+
+    def __call__(self, input_ids, positions, meta, kv_cache, logits_indices=None):
+        from draftwise.distributed.worker import meta_fields
+        self.driver.send("forward", {"input_ids": input_ids, "positions": positions, "meta": meta_fields(meta),
+                                     "logits_indices": logits_indices})
+        return self.driver.collective(lambda: self.model(input_ids, positions, meta, kv_cache, logits_indices))
+
+    def bind_kv_cache(self, kv_cache) -> None:
+        driver, n_target = self.driver, self.model.config.num_hidden_layers
+        driver.send("init", {"num_blocks": kv_cache.num_blocks})
+        kv_cache.copy_hook = lambda src, dst, layers: (
+            driver.send("copy_slots", {"src": src, "dst": dst}) if layers == range(n_target) else None)
 
 
 class DrafterTargetView:

@@ -34,11 +34,12 @@ class LLMEngine:
             max_position=config.max_model_len + 256)
         drafter_target = self.model
         if self.tp is not None:
-            from draftwise.distributed.tensor_parallel import DrafterTargetView, shard_target
+            from draftwise.distributed.tensor_parallel import DrafterTargetView, TensorParallelTarget, shard_target
             emb = self.model.embed_tokens.weight.detach().clone()
             head = emb if self.model_cfg.tie_word_embeddings else self.model.lm_head.weight.detach().clone()
             drafter_target = DrafterTargetView(self.model, emb, head)
             shard_target(self.model, 0, config.tensor_parallel_size)
+            self.model = TensorParallelTarget(self.model, self.tp)
         self.tokenizer = load_tokenizer(self.model_path)
         self.eos_token_ids = tuple(self.model_cfg.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None \
@@ -55,7 +56,7 @@ class LLMEngine:
         self._prepare_linears()
         lookahead = self.proposer.num_lookahead_tokens if self.proposer else 0
         num_blocks = config.num_kv_blocks or self._kv_blocks_for_budget(lookahead)
-        self.runner = ModelRunner(config, self.model, self.model_cfg, self.proposer, num_blocks, self.tp)
+        self.runner = ModelRunner(config, self.model, self.model_cfg, self.proposer, num_blocks)
         self.scheduler = Scheduler(config, num_blocks, lookahead)
         self.spec_stats = SpecDecodingStats()
         self.spec_stats_by_source: dict[str, SpecDecodingStats] = {}

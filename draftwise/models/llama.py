@@ -171,6 +171,10 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(cfg.head_dim, max_position or cfg.max_position_embeddings,
                                       cfg.rope_theta, cfg.rope_scaling)
         self.aux_hidden_state_layers: tuple[int, ...] = ()
+        self.num_local_kv_heads = cfg.num_key_value_heads   # the KV heads this process stores
+
+    def bind_kv_cache(self, kv_cache) -> None:
+        """The KV cache this model writes (a tensor-parallel target tells its worker ranks)."""
 
     # --- SupportsEagle3 -------------------------------------------------------------------------
     def get_eagle3_aux_hidden_state_layers(self) -> tuple[int, ...]:

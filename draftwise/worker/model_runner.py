@@ -69,30 +69,21 @@ class StepTimer:
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, model, model_cfg: ModelConfig, proposer: Proposer | None,
-                 num_blocks: int, tp=None):
+                 num_blocks: int):
         self.config = config
-        self.model = model
+        self.model = model               # a tensor-parallel target is called the same way
         self.model_cfg = model_cfg
         self.proposer = proposer
         self.device = torch.device(config.device)
         self.block_size = config.block_size
-        self.tp = tp                     # TPDriver: rank 0 of a tensor-parallel target (distributed/)
-        kv_heads = model_cfg.num_key_value_heads
-        if tp is not None:
-            from draftwise.distributed.tensor_parallel import local_kv_heads
-            kv_heads = local_kv_heads(kv_heads, tp.world)
-        specs = [(kv_heads, model_cfg.head_dim)] * model_cfg.num_hidden_layers
+        specs = [(model.num_local_kv_heads, model_cfg.head_dim)] * model_cfg.num_hidden_layers
         if proposer is not None:
             proposer.bind_kv_cache(len(specs))
             specs += proposer.kv_layer_specs()
             if proposer.needs_aux_hidden_states:
                 model.set_aux_hidden_state_layers(proposer.aux_layers())
         self.kv_cache = KVCache(num_blocks, self.block_size, specs, config.kv_torch_dtype, self.device)
-        if tp is not None:
-            tp.send("init", {"num_blocks": num_blocks})
-            n_target = model_cfg.num_hidden_layers
-            self.kv_cache.copy_hook = lambda src, dst, layers: (
-                tp.send("copy_slots", {"src": src, "dst": dst}) if layers == range(n_target) else None)
+        model.bind_kv_cache(self.kv_cache)
         self.generator = torch.Generator(device="cpu").manual_seed(config.seed)
         spec = config.speculative_config
         self.fused_greedy = spec is None or spec.rejection_sampler == "fused"
@@ -176,12 +167,7 @@ class ModelRunner:
         return SamplingMetadata.from_params([r.params for r in reqs], gens, self.device)
 
     def _target_forward(self, input_ids, positions, meta, logits_indices):
-        if self.tp is None:
-            return self.model(input_ids, positions, meta, self.kv_cache, logits_indices)
-        from draftwise.distributed.worker import meta_fields
-        self.tp.send("forward", {"input_ids": input_ids, "positions": positions, "meta": meta_fields(meta),
-                                 "logits_indices": logits_indices})
-        return self.tp.collective(lambda: self.model(input_ids, positions, meta, self.kv_cache, logits_indices))
+        return self.model(input_ids, positions, meta, self.kv_cache, logits_indices)
 
     # --- one step --------------------------------------------------------------------------------
     @torch.inference_mode()
