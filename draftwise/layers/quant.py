@@ -257,3 +257,27 @@ def quantize_model(model: nn.Module, mode: str, int4_source: dict | None = None,
                 counts["quantized"] += 1
             setattr(child, cname, new)
     return counts
+
+
+class Q8Embedding(nn.Module):
+    """A token embedding kept as GGUF Q8_0 blocks (int8 codes, one fp16 scale per 32 columns): a
+    lookup dequantizes only the rows it reads. `codes * scale` in fp32 is exact (an 11-bit
+    mantissa times an 8-bit integer), so rows equal those of the dense fp32 table converted from
+    the same blocks, at a quarter of its memory."""
+
+    def __init__(self, codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        V, H = codes.shape
+        if H % scale.shape[1] or H // scale.shape[1] != 32 or scale.shape[0] != V:
+            raise ValueError(f"Q8_0 embedding: codes {tuple(codes.shape)} and scales {tuple(scale.shape)} "
+                             "do not match blocks of 32")
+        self.num_embeddings, self.embedding_dim, self.dtype = V, H, dtype
+        self.register_buffer("codes", codes.to(torch.int8).contiguous())
+        self.register_buffer("scale", scale.to(torch.float16).contiguous())
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = self.codes[ids].float().unflatten(-1, (-1, 32)) * self.scale[ids].float().unsqueeze(-1)
+        return rows.flatten(-2).to(self.dtype)
+
+    def dequantize(self) -> torch.Tensor:
+        return self.forward(torch.arange(self.num_embeddings, device=self.codes.device))

@@ -201,3 +201,38 @@ def gguf_int4_source(gguf_path: str, cache_root: str) -> dict:
     t = load_file(cached)
     names = {k.rsplit(".", 1)[0] for k in t}
     return {n: (t[f"{n}.codes"], t[f"{n}.scale"].float(), t[f"{n}.minimum"].float()) for n in names}
+
+
+# --- the Q8_0 token embedding, looked up without a dense copy (layers/quant.py Q8Embedding) ------
+Q8_0_BLOCK = 32
+
+
+def decode_q8_0(raw: np.ndarray, rows: int, cols: int):
+    """GGUF Q8_0 bytes -> (codes int8 [rows, cols], d fp16 [rows, cols/32]), w = codes * d per
+    block of 32 columns (ggml's block_q8_0: d, then 32 signed bytes)."""
+    blocks = raw.reshape(-1, 34)
+    d = blocks[:, 0:2].copy().view(np.float16)[:, 0]
+    codes = blocks[:, 2:].copy().view(np.int8)
+    return codes.reshape(rows, cols), d.reshape(rows, cols // Q8_0_BLOCK)
+
+
+def gguf_q8_0_embedding(gguf_path: str, cache_root: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The GGUF's token embedding as (codes int8 [V, H], scale fp16 [V, H/32]) when it is stored as
+    Q8_0 (None otherwise); cached next to the converted model."""
+    from safetensors.torch import load_file, save_file
+    out_dir = convert_gguf(gguf_path, cache_root)
+    cached = os.path.join(out_dir, "int4", "q8_0_embedding.safetensors")   # not a model shard
+    if not os.path.exists(cached):
+        from gguf import GGUFReader
+        reader = GGUFReader(gguf_path)
+        t = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+        if t is None or t.tensor_type.name != "Q8_0":
+            return None
+        cols, rows = (int(x) for x in t.shape)
+        codes, d = decode_q8_0(np.asarray(t.data), rows, cols)
+        os.makedirs(os.path.dirname(cached), exist_ok=True)
+        save_file({"codes": torch.from_numpy(np.ascontiguousarray(codes)),
+                   "scale": torch.from_numpy(np.ascontiguousarray(d))}, cached + ".tmp")
+        os.replace(cached + ".tmp", cached)
+    t = load_file(cached)
+    return t["codes"], t["scale"]

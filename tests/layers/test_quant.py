@@ -46,6 +46,25 @@ def test_q4_1_blocks_decode_exactly():
     np.testing.assert_array_equal(mine, dequantize(raw, GGMLQuantizationType.Q4_1).reshape(8, 64))
 
 
+def test_q8_0_embedding_rows_equal_the_dense_table():
+    """The default model's token embedding stays in its GGUF Q8_0 blocks: a lookup must give exactly
+    the rows of the fp32 table converted from them (gguf's own dequantization)."""
+    from gguf.quants import GGMLQuantizationType, dequantize, quantize
+    from draftwise.layers.quant import Q8Embedding
+    from draftwise.models.gguf_convert import decode_q8_0
+    rng = np.random.default_rng(1)
+    w = (rng.standard_normal((50, 96)) * 0.05).astype(np.float32)
+    raw = quantize(w, GGMLQuantizationType.Q8_0)
+    codes, d = decode_q8_0(np.asarray(raw), 50, 96)
+    table = torch.from_numpy(dequantize(raw, GGMLQuantizationType.Q8_0).reshape(50, 96).astype(np.float32))
+    emb = Q8Embedding(torch.from_numpy(codes), torch.from_numpy(d))
+    ids = torch.tensor([[0, 7, 49], [3, 3, 12]])
+    assert torch.equal(emb(ids), table[ids]) and torch.equal(emb.dequantize(), table)
+    assert emb.codes.element_size() * emb.codes.numel() + emb.scale.numel() * 2 < table.numel() * 4 / 3
+    with pytest.raises(ValueError, match="blocks of 32"):
+        Q8Embedding(torch.from_numpy(codes), torch.from_numpy(d[:, :2]))
+
+
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 def test_speculation_on_a_quantized_target_is_lossless(tiny_llama, tmp_path, mode):
     path, _ = tiny_llama
