@@ -172,6 +172,10 @@ class LlamaForCausalLM(nn.Module):
                                       cfg.rope_theta, cfg.rope_scaling)
         self.aux_hidden_state_layers: tuple[int, ...] = ()
         self.num_local_kv_heads = cfg.num_key_value_heads   # the KV heads this process stores
+        # what forward runs: the eager methods, or compiled graphs of them that the model runner
+        # installs here (worker/compiled_graphs.py)
+        self.layers_step = self.run_layers
+        self.logits_step = self.compute_logits
 
     def bind_kv_cache(self, kv_cache) -> None:
         """The KV cache this model writes (a tensor-parallel target tells its worker ranks)."""
@@ -191,10 +195,10 @@ class LlamaForCausalLM(nn.Module):
     # --- forward --------------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_cache, logits_indices: torch.Tensor | None = None) -> TargetOutput:
-        h, aux = self.run_layers(input_ids, positions, meta, kv_cache)
+        h, aux = self.layers_step(input_ids, positions, meta, kv_cache)
         logits = None
         if logits_indices is not None:
-            logits = self.compute_logits(h[logits_indices])
+            logits = self.logits_step(h[logits_indices])
         return TargetOutput(h, aux, logits)
 
     def run_layers(self, input_ids: torch.Tensor, positions: torch.Tensor,

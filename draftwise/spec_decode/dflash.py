@@ -31,6 +31,7 @@ class DFlashProposer(Proposer):
 
     def __init__(self, draft_model, raw_config: dict, target_model, target_cfg):
         self.model = draft_model
+        self.block_step = draft_model          # the block pass: eager, or its compiled graph
         self.raw_config = raw_config
         self.target = target_model
         self.target_cfg = target_cfg
@@ -80,11 +81,12 @@ class DFlashProposer(Proposer):
     def aux_layers(self):
         return tuple(self._aux)
 
-    def compile_graphs(self, compile_method, common: dict, dtype, device) -> list:
+    def compile_graphs(self, compile_graph, common: dict, dtype, device) -> list:
         H = self.target.config.hidden_size
-        return [compile_method(self.model, "forward", "dflash block", 2,
-                               lambda n: (torch.zeros(n, H, dtype=dtype, device=device),
-                                          torch.arange(n, device=device)), **common)]
+        self.block_step = compile_graph(self.model.forward, "dflash block", 2,
+                                        lambda n: (torch.zeros(n, H, dtype=dtype, device=device),
+                                                   torch.arange(n, device=device)), **common)
+        return [self.block_step]
 
     # ------------------------------------------------------------------------------------------
     def propose(self, inp: ProposerInput, kv_cache, block_size: int, num_spec_tokens: int):
@@ -117,7 +119,7 @@ class DFlashProposer(Proposer):
         slots = slots_for_positions(bt, torch.arange(n, device=dev).repeat_interleave(B), pos, block_size)
         meta = AttentionMetadata(slots, [B] * n, [inp.seq_lens[i] + B for i in want], bt, block_size,
                                  NONCAUSAL).finalize()
-        h = self.model(self.target.embed_tokens(ids.reshape(-1)), pos, meta, kv_cache)
+        h = self.block_step(self.target.embed_tokens(ids.reshape(-1)), pos, meta, kv_cache)
         t2 = time.perf_counter()
         self.timings["block"] += t2 - t1
         # 3. block positions 1..k through the target's LM head, greedy

@@ -20,6 +20,9 @@ class EagleProposer(Proposer):
     def __init__(self, draft_model, raw_config: dict, target_model, num_speculative_tokens: int,
                  eagle_topk: int = 1, eagle_depth: int | None = None):
         self.model = draft_model
+        # the passes propose runs: the drafter's eager ones, or compiled graphs (compile_graphs)
+        self.layer_step = draft_model
+        self.logits_step = draft_model.compute_logits
         self.raw_config = raw_config
         self.target = target_model
         self.k = num_speculative_tokens
@@ -54,17 +57,18 @@ class EagleProposer(Proposer):
     def aux_layers(self):
         return tuple(self._aux)
 
-    def compile_graphs(self, compile_method, common: dict, dtype, device) -> list:
+    def compile_graphs(self, compile_graph, common: dict, dtype, device) -> list:
         m, H = self.model, self.model.config.hidden_size
 
         def layer_inputs(n):
             return (torch.zeros(n, dtype=torch.long, device=device), torch.arange(n, device=device),
                     torch.zeros(n, H, dtype=dtype, device=device))
 
-        return [compile_method(m, "forward", "eagle3 layer", 3, layer_inputs, **common),
-                compile_method(m, "compute_logits", "eagle3 lm_head", 1,
-                               lambda n: (torch.zeros(n, H, dtype=dtype, device=device),),
-                               uses_attention=False, **common)]
+        self.layer_step = compile_graph(m.forward, "eagle3 layer", 3, layer_inputs, **common)
+        self.logits_step = compile_graph(m.compute_logits, "eagle3 lm_head", 1,
+                                         lambda n: (torch.zeros(n, H, dtype=dtype, device=device),),
+                                         uses_attention=False, **common)
+        return [self.layer_step, self.logits_step]
 
     # ------------------------------------------------------------------------------------------
     def _prefill(self, inp: ProposerInput, kv_cache, block_size):
@@ -79,7 +83,7 @@ class EagleProposer(Proposer):
         slots = slots_for_positions(inp.block_tables, req_index, inp.positions, block_size)
         meta = AttentionMetadata(slots, inp.query_lens, inp.seq_lens, inp.block_tables, block_size, CAUSAL).finalize()
         hidden = self.model.combine_hidden_states(inp.aux_hidden_states)
-        prenorm = self.model(ids, inp.positions, hidden, meta, kv_cache)
+        prenorm = self.layer_step(ids, inp.positions, hidden, meta, kv_cache)
         return prenorm, last
 
     def propose(self, inp: ProposerInput, kv_cache, block_size: int, num_spec_tokens: int):
@@ -93,7 +97,7 @@ class EagleProposer(Proposer):
         dev = prenorm.device
         sel = torch.tensor(want, device=dev)
         h = prenorm[last[sel]]
-        logits = self.model.compute_logits(h)
+        logits = self.logits_step(h)
         if self.topk > 1:
             from draftwise.spec_decode.tree import draft_trees
             trees = draft_trees(self, logits, h, inp, sel, kv_cache, block_size, num_spec_tokens)
@@ -109,8 +113,8 @@ class EagleProposer(Proposer):
         for _ in range(num_spec_tokens - 1):
             slots = slots_for_positions(bt, ar, pos, block_size)
             meta = AttentionMetadata(slots, [1] * n, (pos + 1).tolist(), bt, block_size, CAUSAL).finalize()
-            h = self.model(tok, pos, h, meta, kv_cache)
-            tok = self.model.draft_to_target(self.model.compute_logits(h).argmax(-1))
+            h = self.layer_step(tok, pos, h, meta, kv_cache)
+            tok = self.model.draft_to_target(self.logits_step(h).argmax(-1))
             drafts.append(tok)
             pos = pos + 1
         d = torch.stack(drafts, 1).tolist()

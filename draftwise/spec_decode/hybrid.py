@@ -40,8 +40,8 @@ class HybridProposer(Proposer):
     def aux_layers(self):
         return self.drafter.aux_layers()
 
-    def compile_graphs(self, compile_method, common, dtype, device):
-        return self.drafter.compile_graphs(compile_method, common, dtype, device)
+    def compile_graphs(self, compile_graph, common, dtype, device):
+        return self.drafter.compile_graphs(compile_graph, common, dtype, device)
 
     def on_request_finished(self, request) -> None:
         self.fast.on_request_finished(request)

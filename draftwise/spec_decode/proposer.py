@@ -40,8 +40,9 @@ class Proposer:
     def aux_layers(self) -> tuple[int, ...]:
         return ()
 
-    def compile_graphs(self, compile_method, common: dict, dtype, device) -> list:
-        """Compile the drafter's passes (see worker/compiled_graphs.py); none by default."""
+    def compile_graphs(self, compile_graph, common: dict, dtype, device) -> list:
+        """Compile the drafter's passes with `compile_graph` (worker/compiled_graphs.py) and install
+        them as its steps; returns the graphs (none by default)."""
         return []
 
     def propose(self, inp: ProposerInput, kv_cache, block_size: int, num_spec_tokens: int) -> list[Draft | None]:

@@ -232,8 +232,8 @@ def draft_trees(proposer, logits: torch.Tensor, h: torch.Tensor, inp, sel: torch
         pos = (seq + d - 1).repeat_interleave(k)
         meta = AttentionMetadata(slots, [k] * n, (seq + d * k).tolist(), bt, block_size, TREE,
                                  tree.get_mask(), [d * k] * n).finalize()
-        out = model(ids, pos, hidden, meta, kv_cache)         # [n*k, H] pre-norm
-        lp = torch.log_softmax(model.compute_logits(out).float(), -1)
+        out = proposer.layer_step(ids, pos, hidden, meta, kv_cache)     # [n*k, H] pre-norm
+        lp = torch.log_softmax(proposer.logits_step(out).float(), -1)
         top = lp.topk(k, dim=-1)
         tree.grow(top.indices.view(n, k, k), top.values.view(n, k, k))
         # next frontier's hidden = the output at its parent (a node of this pass)

@@ -163,15 +163,13 @@ def warmup_metadata(n: int, blocks: list[int], block_size: int, device) -> Atten
     return AttentionMetadata(slots, [n], [n], bt, block_size, CAUSAL).finalize()
 
 
-def compile_method(owner, attr: str, name: str, num_tensor_args: int, make_inputs, *,
-                   static_sizes, max_tokens: int, uses_attention: bool = True, kv_cache=None,
-                   block_size: int = 16) -> BucketedGraph:
-    """Replace `owner.<attr>` (a bound method, or `forward` of a module) by a warmed-up
-    BucketedGraph of it. Module calls (`owner(...)`) then go through the graph too."""
-    graph = BucketedGraph(getattr(owner, attr), name, num_tensor_args, static_sizes,
-                          uses_attention=uses_attention, max_tokens=max_tokens)
+def compile_graph(fn, name: str, num_tensor_args: int, make_inputs, *, static_sizes, max_tokens: int,
+                  uses_attention: bool = True, kv_cache=None, block_size: int = 16) -> BucketedGraph:
+    """A BucketedGraph of `fn`, warmed up for every bucket. The caller installs it where the
+    model declares its compiled steps (`LlamaForCausalLM.layers_step`, a proposer's steps)."""
+    graph = BucketedGraph(fn, name, num_tensor_args, static_sizes, uses_attention=uses_attention,
+                          max_tokens=max_tokens)
     scratch = list(range(kv_cache.num_blocks)) if kv_cache is not None else []
     with torch.inference_mode():
         graph.warmup(make_inputs, kv_cache, block_size, scratch)
-    setattr(owner, attr, graph)
     return graph

@@ -97,7 +97,7 @@ class ModelRunner:
     def _compile_graphs(self) -> None:
         """Compile the target's layer stack and LM head, and the drafter's passes, for every
         token bucket before serving (the warmup). Disk-cached across restarts."""
-        from draftwise.worker.compiled_graphs import DEFAULT_STATIC_SIZES, compile_method, configure_compile_cache
+        from draftwise.worker.compiled_graphs import DEFAULT_STATIC_SIZES, compile_graph, configure_compile_cache
         configure_compile_cache()
         t0 = time.perf_counter()
         dev, dt = self.device, self.config.torch_dtype
@@ -109,12 +109,14 @@ class ModelRunner:
         def ids_pos(n):
             return (torch.zeros(n, dtype=torch.long, device=dev), torch.arange(n, device=dev))
 
-        self.graphs.append(compile_method(self.model, "run_layers", "target", 2, ids_pos, **common))
-        self.graphs.append(compile_method(
-            self.model, "compute_logits", "target lm_head", 1,
-            lambda n: (torch.zeros(n, H, dtype=dt, device=dev),), uses_attention=False, **common))
+        model = self.model
+        model.layers_step = compile_graph(model.run_layers, "target", 2, ids_pos, **common)
+        model.logits_step = compile_graph(model.compute_logits, "target lm_head", 1,
+                                          lambda n: (torch.zeros(n, H, dtype=dt, device=dev),),
+                                          uses_attention=False, **common)
+        self.graphs += [model.layers_step, model.logits_step]
         if self.proposer is not None:
-            self.graphs.extend(self.proposer.compile_graphs(compile_method, common, dt, dev))
+            self.graphs.extend(self.proposer.compile_graphs(compile_graph, common, dt, dev))
         logger.info("compiled %d graph families in %.1f s", len(self.graphs), time.perf_counter() - t0)
 
     @torch.inference_mode()
