@@ -148,6 +148,13 @@ def shard_target(model: nn.Module, rank: int, world: int, group=None) -> nn.Modu
     return model
 
 
+def meta_fields(meta) -> dict:
+    """The raw (pre-finalize) fields of an AttentionMetadata, enough to rebuild it on a worker."""
+    return {"slot_mapping": meta.slot_mapping, "query_lens": meta.query_lens, "seq_lens": meta.seq_lens,
+            "block_tables": meta.block_tables, "block_size": meta.block_size, "mask_kind": meta.mask_kind,
+            "tree_mask": meta.tree_mask, "tree_kv_lens": meta.tree_kv_lens}
+
+
 class TensorParallelTarget:
     """Rank 0's sharded target, called exactly like an unsharded one, so the step code never sees
     tensor parallelism: a call broadcasts the step (input ids, positions, the attention metadata's
@@ -167,7 +174,6 @@ class TensorParallelTarget:
         setattr(self.__dict__["model"], name, value)
 
     def __call__(self, input_ids, positions, meta, kv_cache, logits_indices=None):
-        from draftwise.distributed.worker import meta_fields
         self.driver.send("forward", {"input_ids": input_ids, "positions": positions, "meta": meta_fields(meta),
                                      "logits_indices": logits_indices})
         return self.driver.collective(lambda: self.model(input_ids, positions, meta, kv_cache, logits_indices))

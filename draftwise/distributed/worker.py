@@ -53,13 +53,6 @@ def threads_per_rank(world: int) -> int:
     return max(1, (os.cpu_count() or 1) // world)
 
 
-def meta_fields(meta) -> dict:
-    """The raw (pre-finalize) fields of an AttentionMetadata, enough to rebuild it on a worker."""
-    return {"slot_mapping": meta.slot_mapping, "query_lens": meta.query_lens, "seq_lens": meta.seq_lens,
-            "block_tables": meta.block_tables, "block_size": meta.block_size, "mask_kind": meta.mask_kind,
-            "tree_mask": meta.tree_mask, "tree_kv_lens": meta.tree_kv_lens}
-
-
 class LocalRanks:
     """Ranks 1..N-1 as fresh Python processes on this machine (`python -m draftwise.distributed.worker`,
     so nothing depends on how the engine process was started); their output goes to temp files."""
