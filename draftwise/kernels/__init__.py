@@ -108,7 +108,8 @@ def attend_rows_kernel(q, k_cache, v_cache, plan, scale: float, out: torch.Tenso
     """Row-invariant attention for `plan` (AttentionMetadata.row_plan) in one kernel call; False
     where the kernel does not apply here (then the caller attends row by row with SDPA). Used by
     every row-invariant step alike, so decode and verification rows compute the same way."""
-    if (q.device.type != "cpu" or q.dtype != torch.float32 or k_cache.dtype != torch.float32
+    wide = k_cache.dtype in (torch.bfloat16, torch.float16)
+    if (q.device.type != "cpu" or q.dtype != torch.float32 or not (k_cache.dtype == torch.float32 or wide)
             or q.shape[-1] % 16 or not q.is_contiguous() or not out.is_contiguous()):
         return False
     if os.environ.get("DRAFTWISE_NO_ATTENTION_KERNEL"):     # an A/B switch for the bench and tests
@@ -127,9 +128,20 @@ def attend_rows_kernel(q, k_cache, v_cache, plan, scale: float, out: torch.Tenso
                 rows.append(start + j)
                 lens.append(n)
                 lists.append(i)
-        args = (rows, lens, lists, slots)
+        # for 16-bit caches: every entry's slots gathered into one fp32 copy, addressed anew
+        offsets = torch.tensor([0] + [len(x) for x in slots]).cumsum(0).tolist()
+        compact = [torch.arange(offsets[i], offsets[i + 1], device=q.device) for i in range(len(slots))]
+        args = (rows, lens, lists, slots, compact, torch.cat(slots))
         _state["plan"] = (plan, args)
-    mod.attend_rows(q, k_cache, v_cache, out, *args, float(scale))
+    rows, lens, lists, slots, compact, every_slot = args
+    if wide:
+        # a 16-bit cache: the keys and values the plan reads, widened to fp32 once per layer (the
+        # same values for every row, so decode and verification rows still compute alike)
+        k32 = k_cache.index_select(0, every_slot).float()
+        v32 = v_cache.index_select(0, every_slot).float()
+        mod.attend_rows(q, k32, v32, out, rows, lens, lists, compact, float(scale))
+        return True
+    mod.attend_rows(q, k_cache, v_cache, out, rows, lens, lists, slots, float(scale))
     return True
 
 

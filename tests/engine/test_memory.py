@@ -54,15 +54,18 @@ def test_kv_pool_follows_the_memory_budget(tiny_llama):
         LLM(path, block_size=4, max_model_len=128, kv_cache_memory=1000)
 
 
-def test_16_bit_kv_cache(tiny_llama):
+@pytest.mark.parametrize("quantization", [None, "int4"])
+def test_16_bit_kv_cache(tiny_llama, quantization):
+    """Speculation stays lossless on a 16-bit cache, on the dense path and on the row-invariant one
+    of quantized targets (whose attention kernel reads the widened keys)."""
     path, _ = tiny_llama
-    llm = LLM(path, block_size=4, max_model_len=128, max_num_seqs=4, kv_cache_dtype="bfloat16",
-              speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    kw = dict(block_size=4, max_model_len=128, max_num_seqs=4, kv_cache_dtype="bfloat16", quantization=quantization)
+    llm = LLM(path, speculative_config={"method": "ngram", "num_speculative_tokens": 3}, **kw)
     assert llm.engine.runner.kv_cache.layer(0)[0].dtype == torch.bfloat16
-    plain = LLM(path, block_size=4, max_model_len=128, max_num_seqs=4, kv_cache_dtype="bfloat16",
-                speculative_config=None)
+    plain = LLM(path, speculative_config=None, **kw)
     outs = llm.generate(PROMPTS, GREEDY)
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain.generate(PROMPTS, GREEDY)]
+    assert llm.get_metrics()["spec_decode"]["num_drafts"] > 0
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         LLM(path, kv_cache_dtype="int3")
 

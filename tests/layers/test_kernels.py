@@ -78,17 +78,18 @@ def test_speculation_on_the_kernel_is_lossless(tiny_llama, monkeypatch):
 
 
 @needs_kernel
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("ctx,n", [(40, 1), (40, 7), (70, 24)])
-def test_row_invariant_attention_kernel(ctx, n, monkeypatch):
+def test_row_invariant_attention_kernel(ctx, n, cache_dtype, monkeypatch):
     """The C++ row-invariant attention equals SDPA row by row (to rounding) and, bit for bit, the
-    same rows decoded one at a time."""
+    same rows decoded one at a time - on an fp32 cache, and on a 16-bit one (read widened)."""
     import draftwise.layers.attention as A
     from draftwise.layers.attention import CAUSAL, AttentionMetadata
     torch.manual_seed(0)
     bs, Hkv, H, D = 16, 3, 9, 64
     nb = (ctx + n) // bs + 1
     bt = torch.randperm(nb * 2)[:nb].view(1, nb)
-    kc, vc = torch.randn(nb * 2 * bs, Hkv, D), torch.randn(nb * 2 * bs, Hkv, D)
+    kc, vc = torch.randn(nb * 2 * bs, Hkv, D).to(cache_dtype), torch.randn(nb * 2 * bs, Hkv, D).to(cache_dtype)
     q, k, v = torch.randn(n, H, D), torch.randn(n, Hkv, D), torch.randn(n, Hkv, D)
     pos = torch.arange(ctx, ctx + n)
     slots = A.slots_for_positions(bt, torch.zeros(n, dtype=torch.long), pos, bs)
