@@ -92,18 +92,22 @@ class AffinityRouter:
         gone = [rid for rid in self._replicas if rid not in ids]
         for rid in gone:
             del self._replicas[rid]
-        if gone:
-            live = set().union(*(r.blocks for r in self._replicas.values()))
-            self._block_requests = Counter({h: n for h, n in self._block_requests.items() if h in live})
         for rid in ids:
             self._replicas.setdefault(rid, _ReplicaState())
-        for sid, rid in list(self._sessions.items()):
-            if rid not in ids:
-                del self._sessions[sid]
+        if gone:                       # called per request: forget a dead replica's state only then
+            live = set().union(*(r.blocks for r in self._replicas.values()))
+            self._block_requests = Counter({h: n for h, n in self._block_requests.items() if h in live})
+            for sid, rid in list(self._sessions.items()):
+                if rid not in ids:
+                    del self._sessions[sid]
 
     def report_load(self, replica: str, load: ReplicaLoad) -> None:
         if replica in self._replicas:
             self._replicas[replica].load = load
+
+    def in_flight(self, replica: str) -> int:
+        st = self._replicas.get(replica)
+        return st.in_flight if st is not None else 0
 
     def on_completed(self, replica: str) -> None:
         st = self._replicas.get(replica)

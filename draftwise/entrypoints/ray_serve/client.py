@@ -55,10 +55,6 @@ class RayEngineClient:
     def is_idle(self) -> bool:
         return not self._tasks
 
-    @property
-    def num_outstanding(self) -> int:
-        return len(self._tasks)
-
     async def submit(self, sub: Submission) -> asyncio.Queue:
         if self._closed:
             raise APIError("the engine is not running", 503, type="server_error", code="engine_unavailable")

@@ -7,10 +7,6 @@ import os
 
 logger = logging.getLogger("draftwise.serve")
 
-# the load fields a replica reports (record_routing_stats) and the router reads
-LOAD_KEYS = ("num_running", "num_waiting", "kv_blocks_used", "kv_blocks_total")
-
-
 class EngineReplica:
     """An `LLM` on its engine thread. `generate` streams the engine loop's items for one request:
     ("accepted", facts), then ("output", RequestOutput) until one is finished, or ("error", dict) /

@@ -28,8 +28,9 @@ class DraftwiseRequestRouter(FIFOMixin, RequestRouter):
         client.LIVE_ROUTERS.append(self)
 
     def _sync_replicas(self) -> None:
-        self.policy.set_replicas(self.replica_stats())
-        for rid, stats in self.replica_stats().items():
+        reports = self.replica_stats()
+        self.policy.set_replicas(reports)
+        for rid, stats in reports.items():
             used, total = stats.get("kv_blocks_used", 0), stats.get("kv_blocks_total", 0)
             self.policy.report_load(rid, ReplicaLoad(int(stats.get("num_running", 0)),
                                                      int(stats.get("num_waiting", 0)),
@@ -57,9 +58,8 @@ class DraftwiseRequestRouter(FIFOMixin, RequestRouter):
             self._decided[key] = chosen
             while len(self._decided) > 10_000:
                 self._decided.popitem(last=False)
-        in_flight = self.policy.snapshot()["in_flight"]
         rest = sorted((r for rid, r in by_id.items() if rid != chosen),
-                      key=lambda r: in_flight.get(r.replica_id.unique_id, 0))
+                      key=lambda r: self.policy.in_flight(r.replica_id.unique_id))
         return [[by_id[chosen]]] + ([rest] if rest else [])
 
     def on_request_completed(self, replica_id, internal_request_id: str) -> None:
