@@ -271,13 +271,21 @@ class EngineConfig:
 
     @property
     def kv_torch_dtype(self) -> torch.dtype:
+        """The KV pool's dtype ("auto" is resolved by the engine before it is read: the model's
+        dtype, or bf16 for quantized weights where the CPU attention kernel reads 16-bit caches)."""
         return self.torch_dtype if self.kv_cache_dtype == "auto" else DTYPES[self.kv_cache_dtype]
 
 
-# the KV pool's default size: SmolLM2-135M in fp32 keeps 46 KB per token, so 256 MiB hold ~5,800
-# tokens (a few full 2,048-token contexts, or 16 requests of ~360 tokens, plus cached prefixes);
-# pass kv_cache_memory (--kv-cache-memory) for more
+# the KV pool's default size for an fp32 cache (a 16-bit cache gets half: the same tokens):
+# SmolLM2-135M in fp32 keeps 46 KB per token, so 256 MiB hold ~5,800 tokens (a few full 2,048-token
+# contexts, or 16 requests of ~360 tokens, plus cached prefixes); pass kv_cache_memory
+# (--kv-cache-memory) for more
 DEFAULT_KV_CACHE_MEMORY = 256 << 20
+
+
+def default_kv_cache_memory(kv_dtype: torch.dtype) -> int:
+    """DEFAULT_KV_CACHE_MEMORY scaled to the cache dtype's element size: the same token capacity."""
+    return DEFAULT_KV_CACHE_MEMORY * torch.empty((), dtype=kv_dtype).element_size() // 4
 
 
 def parse_bytes(text: str | int) -> int:

@@ -62,9 +62,10 @@ class EngineArgs:
     max_num_batched_tokens: int | None = _opt(None, "tokens per step (default: max(max_model_len, 512))")
     block_size: int = _opt(16, "KV-cache block size in tokens")
     num_kv_blocks: int | None = _opt(None, "KV blocks in the pool (default: what --kv-cache-memory holds)")
-    kv_cache_memory: str | None = _opt(None, "memory for the KV cache, e.g. 512MiB (default: 256MiB, at most "
-                                             "4x --max-num-seqs full sequences)")
-    kv_cache_dtype: str = _opt("auto", "KV-cache dtype; 16-bit halves its memory (auto: the model's)",
+    kv_cache_memory: str | None = _opt(None, "memory for the KV cache, e.g. 512MiB (default: 256MiB for an fp32 "
+                                             "cache, 128MiB for 16-bit; at most 4x --max-num-seqs full sequences)")
+    kv_cache_dtype: str = _opt("auto", "KV-cache dtype; 16-bit halves its memory (auto: bfloat16 for quantized "
+                                       "weights where the CPU attention kernel runs, else the model's dtype)",
                                choices=["auto", "float32", "bfloat16", "float16"])
     dtype: str = _opt("float32", "activation / weight dtype", choices=["float32", "bfloat16", "float16"])
     quantization: str | None = _opt("auto", "weights: auto (the model's own format: the packaged Q4_1 GGUF "

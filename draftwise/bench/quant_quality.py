@@ -1,6 +1,9 @@
 """Quality of the quantized targets: perplexity on held-out text and greedy agreement with fp32.
 
-    python -m draftwise.bench.quant_quality --modes none,int8,int4 --conversations 32
+    python -m draftwise.bench.quant_quality --modes none,int8,int4,int4:float32 --conversations 32
+
+A mode is the weights (none = fp32, int8, int4), optionally `:` the KV-cache dtype (float32,
+bfloat16, float16; default: what the engine picks for those weights).
 
 Perplexity: teacher-forced negative log-likelihood of the assistant tokens of held-out ShareGPT
 conversations (the 2 % split the trainers never see), chat-templated, cut to --max-len tokens, fed in
@@ -24,14 +27,14 @@ def heldout_examples(tokenizer, n: int, max_len: int):
 
 
 @torch.inference_mode()
-def chunked_logits(model, ids: list[int], chunk: int) -> torch.Tensor:
+def chunked_logits(model, ids: list[int], chunk: int, kv_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Logits of every row, the sequence fed `chunk` tokens at a time through a paged KV cache."""
     from draftwise.engine.kv_cache import KVCache
     from draftwise.layers.attention import CAUSAL, AttentionMetadata
     cfg, bs = model.config, 16
     nblocks = -(-len(ids) // bs)
     cache = KVCache(nblocks, bs, [(cfg.num_key_value_heads, cfg.head_dim)] * cfg.num_hidden_layers,
-                    torch.float32, "cpu")
+                    kv_dtype, "cpu")
     bt = torch.arange(nblocks)[None]
     out = []
     for a in range(0, len(ids), chunk):
@@ -43,10 +46,10 @@ def chunked_logits(model, ids: list[int], chunk: int) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def perplexity(model, examples, chunk: int = 16) -> float:
+def perplexity(model, examples, chunk: int = 16, kv_dtype: torch.dtype = torch.float32) -> float:
     nll, n = 0.0, 0
     for ids, mask in examples:
-        logits = chunked_logits(model, ids, chunk)
+        logits = chunked_logits(model, ids, chunk, kv_dtype)
         lp = torch.log_softmax(logits[:-1].float(), -1)
         tgt = torch.tensor(ids[1:])
         m = torch.tensor(mask[1:]).bool()
@@ -86,12 +89,15 @@ def main(argv=None) -> dict:
     sp = SamplingParams(temperature=0, max_tokens=a.max_tokens)
     results, ref = {}, None
     for mode in a.modes.split(","):
-        q = None if mode == "none" else mode
-        llm = LLM(a.model, quantization=q, speculative_config=None, enforce_eager=True, max_model_len=1024)
+        weights, _, kv = mode.partition(":")
+        q = None if weights == "none" else weights
+        llm = LLM(a.model, quantization=q, speculative_config=None, enforce_eager=True, max_model_len=1024,
+                  kv_cache_dtype=kv or "auto")
         outs = [o.outputs[0].token_ids for o in llm.chat([[{"role": "user", "content": c[0]}] for c in convs], sp)]
         ex = heldout_examples(llm.tokenizer, a.conversations, a.max_len)
-        ppl = perplexity(llm.engine.model, ex, a.chunk)
-        r = {"perplexity": round(ppl, 3)}
+        kv_dtype = llm.engine.config.kv_torch_dtype
+        ppl = perplexity(llm.engine.model, ex, a.chunk, kv_dtype)
+        r = {"perplexity": round(ppl, 3), "kv_cache_dtype": str(kv_dtype).replace("torch.", "")}
         if ref is None:
             ref = outs
         else:

@@ -61,8 +61,9 @@ def add_bench_args(p) -> None:
                    help="compiled graphs for every engine method (default: eager steps, as every entry point)")
     p.add_argument("--enforce-eager", dest="enforce_eager", action="store_true", default=True,
                    help="eager steps (the default)")
-    p.add_argument("--quantization", default=None, choices=["int8", "int4"],
-                   help="quantize the target for every engine method without an @int8/@int4 suffix")
+    p.add_argument("--quantization", default="auto", choices=["auto", "none", "int8", "int4"],
+                   help="target weights for every engine method without an @none/@int8/@int4 suffix (default: "
+                        "auto, the engine's default - the model's own format, Q4_1 for the packaged GGUF)")
     p.add_argument("--rounds", type=int, default=1, help="sweep: repeat the sweep, report medians")
 
 
@@ -81,7 +82,7 @@ def _split_methods(s: str) -> list[str]:
 
 def parse_methods(s: str, default_quantization: str | None = None) -> list[tuple[str, object, str | None]]:
     """(name, speculative config or peer name, quantization) per comma-separated item: a preset,
-    a peer, or name=JSON; a suffix @int8 / @int4 runs it on the quantized target."""
+    a peer, or name=JSON; a suffix @none / @int8 / @int4 runs it on those weights."""
     out = []
     for item in _split_methods(s):
         item = item.strip()
@@ -95,8 +96,8 @@ def parse_methods(s: str, default_quantization: str | None = None) -> list[tuple
             name = item
             base, _, q = item.partition("@")
             if q:
-                if q not in ("int8", "int4"):
-                    raise ValueError(f"unknown quantization suffix @{q} in {item!r} (use @int8 or @int4)")
+                if q not in ("none", "int8", "int4"):
+                    raise ValueError(f"unknown quantization suffix @{q} in {item!r} (use @none, @int8 or @int4)")
                 quant = q
             if base in PRESETS:
                 spec = PRESETS[base]
@@ -104,7 +105,7 @@ def parse_methods(s: str, default_quantization: str | None = None) -> list[tuple
                 spec = base
             else:
                 raise ValueError(f"unknown bench method {item!r}; known: {', '.join(list(PRESETS) + list(PEERS))}"
-                                 " (engine methods take an @int8 / @int4 suffix)")
+                                 " (engine methods take an @none / @int8 / @int4 suffix)")
         if name == "auto" and quant is None:
             quant = "auto"                  # the engine's default: the model's own weight format
         out.append((name, spec, None if spec in PEERS else quant))
@@ -238,7 +239,7 @@ def run_bench(args) -> list[dict]:
         convs = convs[:args.num_prompts]
     methods = parse_methods(args.methods, getattr(args, "quantization", None))
     if methods[0][0] != "ar":
-        methods.insert(0, ("ar", None, None))
+        methods.insert(0, ("ar", None, getattr(args, "quantization", None)))
     total = sum(min(len(c), args.max_turns) for c in convs) * len(methods)
     bar = tqdm(total=total, desc="bench", dynamic_ncols=True)
     results = []
@@ -338,7 +339,7 @@ def run_sweep(args) -> dict:
     sizes = [int(x) for x in args.sweep.split(",")]
     methods = [m for m in parse_methods(args.methods, getattr(args, "quantization", None)) if m[1] not in PEERS]
     if methods[0][0] != "ar":
-        methods.insert(0, ("ar", None, None))
+        methods.insert(0, ("ar", None, getattr(args, "quantization", None)))
     llms = {name: build_engine_llm(spec, args, max(sizes), q) for name, spec, q in methods}
     samples: dict = {}
     for rnd in range(args.rounds):

@@ -24,8 +24,24 @@ from draftwise.worker.model_runner import ModelRunner
 logger = logging.getLogger("draftwise")
 
 
+def resolve_kv_cache_dtype(config: EngineConfig) -> EngineConfig:
+    """`kv_cache_dtype="auto"` made concrete: bf16 for quantized weights with fp32 activations on a
+    CPU whose row-invariant attention kernel reads 16-bit caches in registers (half the memory at the
+    same speed; those targets' linears take bf16 activations already), else the model's dtype
+    (without the kernel a 16-bit cache would fall back to per-row SDPA)."""
+    if config.kv_cache_dtype != "auto":
+        return config
+    kv = config.dtype
+    if config.quantization is not None and config.dtype == "float32" and config.device == "cpu":
+        from draftwise.kernels import attention_reads_16bit
+        if attention_reads_16bit():
+            kv = "bfloat16"
+    return dataclasses.replace(config, kv_cache_dtype=kv)
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig):
+        config = resolve_kv_cache_dtype(config)
         self.config = config
         torch.manual_seed(config.seed)
         self.tp = self._start_tensor_parallel() if config.tensor_parallel_size > 1 else None
@@ -82,7 +98,7 @@ class LLMEngine:
         """Blocks the KV-memory budget holds (target and drafter layers, the KV dtype): at least one
         full sequence, at most four times max_num_seqs full sequences (blocks beyond the running
         sequences keep finished prefixes for the prefix cache; a small model needs no more)."""
-        from draftwise.config import DEFAULT_KV_CACHE_MEMORY
+        from draftwise.config import default_kv_cache_memory
         c, m = self.config, self.model_cfg
         specs = [(m.num_key_value_heads, m.head_dim)] * m.num_hidden_layers
         if self.proposer is not None:
@@ -90,7 +106,7 @@ class LLMEngine:
         elem = torch.empty((), dtype=c.kv_torch_dtype).element_size()
         per_block = c.block_size * sum(2 * h * d * elem for h, d in specs)
         blocks_per_seq = math.ceil((c.max_model_len + lookahead + 1) / c.block_size)
-        budget = c.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY
+        budget = c.kv_cache_memory or default_kv_cache_memory(c.kv_torch_dtype)
         fit = budget // per_block
         if fit < blocks_per_seq:
             if c.kv_cache_memory is not None:

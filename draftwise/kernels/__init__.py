@@ -2,7 +2,8 @@
 torch's extension directory, so later starts load the built library in well under a second).
 
 `int4_cpu.cpp`: a weight-stationary int4 (group 32, GGUF Q4_1) linear for the small row counts of
-decoding and verification, on AVX512-BF16 dot products or AMX-BF16 tiles (see the file). Machines
+decoding and verification, on AVX512-BF16 dot products or AMX-BF16 tiles (see the file), its int8
+sibling for the LM head, and the row-invariant attention over fp32 / bf16 / fp16 paged caches. Machines
 without AVX512-BF16, or without a C++ compiler / ninja, keep PyTorch's own int4 kernel: `load()`
 returns None and says why once."""
 from __future__ import annotations
@@ -46,6 +47,12 @@ def load():
         _state["mod"] = mod
         _state["amx"] = bool(mod is not None and {"amx_bf16", "amx_tile"} <= flags and mod.amx_available())
         return mod
+
+
+def attention_reads_16bit() -> bool:
+    """Whether the row-invariant attention kernel serves this machine (it reads fp32, bf16 and
+    fp16 caches alike); where it does not, a 16-bit cache would fall back to per-row SDPA."""
+    return load() is not None
 
 
 def amx() -> bool:
@@ -128,20 +135,11 @@ def attend_rows_kernel(q, k_cache, v_cache, plan, scale: float, out: torch.Tenso
                 rows.append(start + j)
                 lens.append(n)
                 lists.append(i)
-        # for 16-bit caches: every entry's slots gathered into one fp32 copy, addressed anew
-        offsets = torch.tensor([0] + [len(x) for x in slots]).cumsum(0).tolist()
-        compact = [torch.arange(offsets[i], offsets[i + 1], device=q.device) for i in range(len(slots))]
-        args = (rows, lens, lists, slots, compact, torch.cat(slots))
+        args = (rows, lens, lists, slots)
         _state["plan"] = (plan, args)
-    rows, lens, lists, slots, compact, every_slot = args
-    if wide:
-        # a 16-bit cache: the keys and values the plan reads, widened to fp32 once per layer (the
-        # same values for every row, so decode and verification rows still compute alike)
-        k32 = k_cache.index_select(0, every_slot).float()
-        v32 = v_cache.index_select(0, every_slot).float()
-        mod.attend_rows(q, k32, v32, out, rows, lens, lists, compact, float(scale))
-        return True
-    mod.attend_rows(q, k_cache, v_cache, out, rows, lens, lists, slots, float(scale))
+    # a 16-bit cache is read as it is and widened in registers (exact): the same scores as fp32
+    # copies of its values, and half the memory traffic
+    mod.attend_rows(q, k_cache, v_cache, out, *args, float(scale))
     return True
 
 

@@ -391,7 +391,19 @@ AVX512F inline __m512 exp512(__m512 x) {
 }
 
 // one query row, one KV head, its G query heads: out[g] = softmax(scale q_g . K^T) V over `len` keys
-AVX512F void attend_one(const float* q, const float* kc, const float* vc, const int64_t* slots, int64_t len,
+// 16 cache values widened to fp32 (exact for every cache dtype, so a 16-bit cache read here gives the
+// same scores as the same values stored in fp32)
+AVX512F inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+AVX512F inline __m512 load16(const at::BFloat16* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+AVX512F inline __m512 load16(const at::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+template <typename T>
+AVX512F void attend_one(const float* q, const T* kc, const T* vc, const int64_t* slots, int64_t len,
                         int G, int D, int64_t slot_stride, float scale, float* out, float* scores) {
   const int DV = D / 16;
   for (int g = 0; g < G; ++g) {
@@ -401,9 +413,9 @@ AVX512F void attend_one(const float* q, const float* kc, const float* vc, const 
     for (int c = 0; c < DV; ++c) qv[c] = _mm512_loadu_ps(qg + c * 16);
     float mx = -INFINITY;
     for (int64_t j = 0; j < len; ++j) {
-      const float* kj = kc + slots[j] * slot_stride;
-      __m512 acc = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kj));
-      for (int c = 1; c < DV; ++c) acc = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(kj + c * 16), acc);
+      const T* kj = kc + slots[j] * slot_stride;
+      __m512 acc = _mm512_mul_ps(qv[0], load16(kj));
+      for (int c = 1; c < DV; ++c) acc = _mm512_fmadd_ps(qv[c], load16(kj + c * 16), acc);
       const float sc = _mm512_reduce_add_ps(acc) * scale;
       sg[j] = sc;
       mx = sc > mx ? sc : mx;
@@ -426,9 +438,9 @@ AVX512F void attend_one(const float* q, const float* kc, const float* vc, const 
     __m512 o[16];
     for (int c = 0; c < DV; ++c) o[c] = _mm512_setzero_ps();
     for (int64_t jj = 0; jj < len; ++jj) {
-      const float* vj = vc + slots[jj] * slot_stride;
+      const T* vj = vc + slots[jj] * slot_stride;
       const __m512 pj = _mm512_set1_ps(sg[jj]);
-      for (int c = 0; c < DV; ++c) o[c] = _mm512_fmadd_ps(pj, _mm512_loadu_ps(vj + c * 16), o[c]);
+      for (int c = 0; c < DV; ++c) o[c] = _mm512_fmadd_ps(pj, load16(vj + c * 16), o[c]);
     }
     const __m512 invv = _mm512_set1_ps(inv);
     for (int c = 0; c < DV; ++c) _mm512_storeu_ps(out + g * D + c * 16, _mm512_mul_ps(o[c], invv));
@@ -437,20 +449,20 @@ AVX512F void attend_one(const float* q, const float* kc, const float* vc, const 
 
 }  // namespace
 
-// q [T, H, D] fp32; caches [S, Hkv, D] fp32; out [T, H, D] written for the listed rows.
+// q [T, H, D] fp32; caches [S, Hkv, D] fp32, bf16 or fp16 (read and widened in registers); out [T, H, D]
+// written for the listed rows.
 // rows[i]: the row; lens[i]: its number of keys; slot_lists[i]: index into `slots` of its request's key
 // slots (the first lens[i] of them are its keys).
-void attend_rows(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
-                 torch::Tensor& out, const std::vector<int64_t>& rows, const std::vector<int64_t>& lens,
-                 const std::vector<int64_t>& slot_lists, const std::vector<torch::Tensor>& slots, double scale) {
-  TORCH_CHECK(q.scalar_type() == torch::kFloat && k_cache.scalar_type() == torch::kFloat &&
-              v_cache.scalar_type() == torch::kFloat && q.is_contiguous() && out.is_contiguous(), "fp32 contiguous");
+template <typename T>
+void attend_rows_typed(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                       torch::Tensor& out, const std::vector<int64_t>& rows, const std::vector<int64_t>& lens,
+                       const std::vector<int64_t>& slot_lists, const std::vector<torch::Tensor>& slots, double scale) {
   const int H = q.size(1), D = q.size(2), Hkv = k_cache.size(1), G = H / Hkv;
   TORCH_CHECK(D % 16 == 0 && D <= 256 && k_cache.stride(0) == Hkv * D && v_cache.stride(0) == Hkv * D, "layout");
   const int64_t n = static_cast<int64_t>(rows.size());
   const float* qp = q.data_ptr<float>();
-  const float* kp = k_cache.data_ptr<float>();
-  const float* vp = v_cache.data_ptr<float>();
+  const T* kp = k_cache.data_ptr<T>();
+  const T* vp = v_cache.data_ptr<T>();
   float* op = out.data_ptr<float>();
   std::vector<const int64_t*> sp(slots.size());
   for (size_t i = 0; i < slots.size(); ++i) sp[i] = slots[i].data_ptr<int64_t>();
@@ -460,10 +472,23 @@ void attend_rows(const torch::Tensor& q, const torch::Tensor& k_cache, const tor
     std::vector<float> scores(static_cast<size_t>(G) * max_len);
     for (int64_t w = w0; w < w1; ++w) {
       const int64_t i = w / Hkv, h = w % Hkv, t = rows[i];
-      attend_one(qp + (t * H + h * G) * D, kp + h * D, vp + h * D, sp[slot_lists[i]], lens[i], G, D,
-                 static_cast<int64_t>(Hkv) * D, static_cast<float>(scale), op + (t * H + h * G) * D, scores.data());
+      attend_one<T>(qp + (t * H + h * G) * D, kp + h * D, vp + h * D, sp[slot_lists[i]], lens[i], G, D,
+                    static_cast<int64_t>(Hkv) * D, static_cast<float>(scale), op + (t * H + h * G) * D,
+                    scores.data());
     }
   });
+}
+
+void attend_rows(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                 torch::Tensor& out, const std::vector<int64_t>& rows, const std::vector<int64_t>& lens,
+                 const std::vector<int64_t>& slot_lists, const std::vector<torch::Tensor>& slots, double scale) {
+  const auto dt = k_cache.scalar_type();
+  TORCH_CHECK(q.scalar_type() == torch::kFloat && out.scalar_type() == torch::kFloat && v_cache.scalar_type() == dt &&
+              q.is_contiguous() && out.is_contiguous(), "fp32 contiguous q and out, one cache dtype");
+  if (dt == torch::kFloat) attend_rows_typed<float>(q, k_cache, v_cache, out, rows, lens, slot_lists, slots, scale);
+  else if (dt == torch::kBFloat16) attend_rows_typed<at::BFloat16>(q, k_cache, v_cache, out, rows, lens, slot_lists, slots, scale);
+  else if (dt == torch::kHalf) attend_rows_typed<at::Half>(q, k_cache, v_cache, out, rows, lens, slot_lists, slots, scale);
+  else TORCH_CHECK(false, "attend_rows: cache dtype must be fp32, bf16 or fp16");
 }
 
 bool cpu_supports_avx512_bf16() { return __builtin_cpu_supports("avx512bf16"); }

@@ -75,3 +75,25 @@ def test_parse_bytes():
     assert parse_bytes("300MB") == 300 * 10 ** 6 and parse_bytes("4096") == 4096
     with pytest.raises(ValueError, match="not a size"):
         parse_bytes("lots")
+
+@pytest.mark.parametrize("kernel", [True, False])
+def test_auto_kv_dtype_and_default_budget(tiny_llama, kernel, monkeypatch):
+    """"auto": bf16 for quantized weights where the attention kernel reads 16-bit caches (and the
+    default budget halves, the same tokens), the model's dtype otherwise."""
+    import draftwise.kernels as K
+    from draftwise.config import DEFAULT_KV_CACHE_MEMORY, EngineConfig, default_kv_cache_memory
+    from draftwise.engine.engine import resolve_kv_cache_dtype
+    monkeypatch.setattr(K, "attention_reads_16bit", lambda: kernel)
+    path, _ = tiny_llama
+    int4 = resolve_kv_cache_dtype(EngineConfig(model=path, quantization="int4"))
+    assert int4.kv_torch_dtype == (torch.bfloat16 if kernel else torch.float32)
+    assert resolve_kv_cache_dtype(EngineConfig(model=path)).kv_torch_dtype == torch.float32
+    asked = EngineConfig(model=path, quantization="int4", kv_cache_dtype="float32")
+    assert resolve_kv_cache_dtype(asked).kv_torch_dtype == torch.float32
+    assert default_kv_cache_memory(torch.bfloat16) == DEFAULT_KV_CACHE_MEMORY // 2
+    llm = LLM(path, block_size=4, max_model_len=2048, max_num_seqs=64, quantization="int4")
+    per_block = 4 * 4 * 2 * 2 * 16 * (2 if kernel else 4)     # tokens x layers x K,V x heads x dim x bytes
+    assert llm.engine.runner.kv_cache.layer(0)[0].dtype == (torch.bfloat16 if kernel else torch.float32)
+    # 128 MiB of bf16 or 256 MiB of fp32: the same number of blocks
+    assert llm.engine.scheduler.allocator.num_blocks == default_kv_cache_memory(int4.kv_torch_dtype) // per_block \
+        == (256 << 20) // (4 * 4 * 2 * 2 * 16 * 4)

@@ -78,11 +78,12 @@ def test_speculation_on_the_kernel_is_lossless(tiny_llama, monkeypatch):
 
 
 @needs_kernel
-@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("ctx,n", [(40, 1), (40, 7), (70, 24)])
 def test_row_invariant_attention_kernel(ctx, n, cache_dtype, monkeypatch):
     """The C++ row-invariant attention equals SDPA row by row (to rounding) and, bit for bit, the
-    same rows decoded one at a time - on an fp32 cache, and on a 16-bit one (read widened)."""
+    same rows decoded one at a time - on an fp32 cache, and on a 16-bit one (read widened in
+    registers: bit-equal to an fp32 cache holding the same values)."""
     import draftwise.layers.attention as A
     from draftwise.layers.attention import CAUSAL, AttentionMetadata
     torch.manual_seed(0)
@@ -91,6 +92,7 @@ def test_row_invariant_attention_kernel(ctx, n, cache_dtype, monkeypatch):
     bt = torch.randperm(nb * 2)[:nb].view(1, nb)
     kc, vc = torch.randn(nb * 2 * bs, Hkv, D).to(cache_dtype), torch.randn(nb * 2 * bs, Hkv, D).to(cache_dtype)
     q, k, v = torch.randn(n, H, D), torch.randn(n, Hkv, D), torch.randn(n, Hkv, D)
+    k, v = k.to(cache_dtype).float(), v.to(cache_dtype).float()       # values the cache holds exactly
     pos = torch.arange(ctx, ctx + n)
     slots = A.slots_for_positions(bt, torch.zeros(n, dtype=torch.long), pos, bs)
     meta = AttentionMetadata(slots, [n], [ctx + n], bt, bs, CAUSAL, row_invariant=True).finalize()
@@ -98,5 +100,7 @@ def test_row_invariant_attention_kernel(ctx, n, cache_dtype, monkeypatch):
     alone = torch.cat([A.paged_attention(q[i:i + 1], k[i:i + 1], v[i:i + 1], kc, vc, AttentionMetadata(
         slots[i:i + 1], [1], [ctx + i + 1], bt, bs, CAUSAL, row_invariant=True).finalize(), 0.125) for i in range(n)])
     assert torch.equal(out, alone)
+    if cache_dtype != torch.float32:
+        assert torch.equal(out, A.paged_attention(q, k, v, kc.float(), vc.float(), meta, 0.125))
     monkeypatch.setenv("DRAFTWISE_NO_ATTENTION_KERNEL", "1")
     torch.testing.assert_close(out, A.paged_attention(q, k, v, kc, vc, meta, 0.125), atol=2e-6, rtol=1e-5)
