@@ -15,9 +15,10 @@ DFlash drafter) run unsharded on rank 0 only: they are small, and sharding them 
 all-reduces per draft layer per drafting pass for matmuls of a few hundred KFLOPs. They read the
 target's embedding / LM head through `DrafterTargetView`, which keeps full copies on rank 0.
 
-On rank 0 the sharded model is wrapped in `TensorParallelTarget`, which the model runner calls like
-any target: the broadcast to the worker ranks happens inside the call, so the step code has no
-tensor-parallel branch.
+Every rank runs the same ModelRunner over its shard: rank 0 broadcasts each step's SchedulerOutput
+(distributed/worker.py `TensorParallelRunner`), every rank prepares the same tensors from it and
+runs its shard of the forward, meeting the others at the all-reduces; only rank 0 samples. The
+model runner has no tensor-parallel branch.
 
 Head counts that do not divide (e.g. SmolLM2's 3 KV heads on 2 ranks) are refused with an error
 naming the numbers."""
@@ -146,43 +147,6 @@ def shard_target(model: nn.Module, rank: int, world: int, group=None) -> nn.Modu
     model.tp_rank, model.tp_world = rank, world
     model.num_local_kv_heads = kv_loc
     return model
-
-
-def meta_fields(meta) -> dict:
-    """The raw (pre-finalize) fields of an AttentionMetadata, enough to rebuild it on a worker."""
-    return {"slot_mapping": meta.slot_mapping, "query_lens": meta.query_lens, "seq_lens": meta.seq_lens,
-            "block_tables": meta.block_tables, "block_size": meta.block_size, "mask_kind": meta.mask_kind,
-            "tree_mask": meta.tree_mask, "tree_kv_lens": meta.tree_kv_lens}
-
-
-class TensorParallelTarget:
-    """Rank 0's sharded target, called exactly like an unsharded one, so the step code never sees
-    tensor parallelism: a call broadcasts the step (input ids, positions, the attention metadata's
-    raw fields, logits rows) to the worker ranks and runs this rank's shard, meeting them at the
-    all-reduces; `bind_kv_cache` sizes the workers' caches and mirrors moves of the target layers'
-    KV slots (tree verification keeps the accepted path) on them. Everything else (config, LM
-    head, aux-layer settings) reads through to the model."""
-
-    def __init__(self, model: nn.Module, driver):
-        self.__dict__["model"] = model
-        self.__dict__["driver"] = driver
-
-    def __getattr__(self, name):
-        return getattr(self.__dict__["model"], name)
-
-    def __setattr__(self, name, value):
-        setattr(self.__dict__["model"], name, value)
-
-    def __call__(self, input_ids, positions, meta, kv_cache, logits_indices=None):
-        self.driver.send("forward", {"input_ids": input_ids, "positions": positions, "meta": meta_fields(meta),
-                                     "logits_indices": logits_indices})
-        return self.driver.collective(lambda: self.model(input_ids, positions, meta, kv_cache, logits_indices))
-
-    def bind_kv_cache(self, kv_cache) -> None:
-        driver, n_target = self.driver, self.model.config.num_hidden_layers
-        driver.send("init", {"num_blocks": kv_cache.num_blocks})
-        kv_cache.copy_hook = lambda src, dst, layers: (
-            driver.send("copy_slots", {"src": src, "dst": dst}) if layers == range(n_target) else None)
 
 
 class DrafterTargetView:

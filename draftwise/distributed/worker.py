@@ -5,11 +5,15 @@ Rank 0 is the engine process itself (scheduler, sampler, drafters, and its own t
 cluster's nodes (`RayRanks`, `distributed_executor_backend="ray"`), meeting at rank 0's node
 address. Each loads and shards the target, reports ready through the
 rendezvous store, and only then joins the process group (a worker that fails to start is reported
-with its error instead of a rendezvous timeout). Before every target
-forward rank 0 broadcasts the step (input ids, positions, the attention metadata's raw fields,
-logits rows) with `broadcast_object_list`; every rank then runs its shard, meeting at the
-all-reduces inside the layers, and rank 0 gathers the logits. KV-slot moves (tree verification
-keeps the accepted path) are broadcast the same way. Commands: init, forward, copy_slots, shutdown.
+with its error instead of a rendezvous timeout).
+
+Every rank runs the same ModelRunner (as nano-vllm's ranks do). On rank 0 the engine's runner is
+wrapped in `TensorParallelRunner`: before each step it broadcasts the step's SchedulerOutput
+(`for_workers()`: requests reduced to their KV blocks) with `broadcast_object_list`; every rank
+prepares the same tensors from it and runs its shard of the target forward, meeting at the
+all-reduces inside the layers; rank 0 gathers the logits and samples. After tree verification rank
+0 broadcasts the accepted rows and every rank keeps the same accepted paths in its KV cache.
+Commands: init (the KV pool's size), step, accept, measure (the start-up cost table), shutdown.
 
 Failure handling: the driver checks its workers before each broadcast and a collective with a dead
 peer raises at once (gloo notices the closed connection), so a crashed worker turns every later step
@@ -250,21 +254,50 @@ class TPDriver:
             pass
 
 
+class TensorParallelRunner:
+    """Rank 0's ModelRunner with the worker ranks in step: each step's SchedulerOutput goes to every
+    rank before rank 0 runs it, so the engine drives N ranks exactly as it drives one runner
+    (everything else - drafting, timers, the KV cache - reads through to rank 0's runner)."""
+
+    def __init__(self, runner, driver):
+        self.__dict__.update(runner=runner, driver=driver)
+        driver.send("init", {"num_blocks": runner.kv_cache.num_blocks})
+
+    def __getattr__(self, name):
+        return getattr(self.__dict__["runner"], name)
+
+    def __setattr__(self, name, value):
+        setattr(self.__dict__["runner"], name, value)
+
+    def execute(self, out):
+        return self.run(self.prepare(out))
+
+    def run(self, inp):
+        self.driver.send("step", inp.sched.for_workers())
+        result = self.driver.collective(lambda: self.runner.run(inp))
+        if any(result.accepted_rows):
+            self.driver.send("accept", result.accepted_rows)
+        return result
+
+    def measure_target_costs(self, sizes, repeats: int = 3, context: int = 0):
+        self.driver.send("measure", {"sizes": list(sizes), "repeats": repeats, "context": context})
+        return self.driver.collective(lambda: self.runner.measure_target_costs(sizes, repeats, context))
+
+
 def worker_main(config, rank: int, world: int, port: int, host: str = "127.0.0.1") -> None:
     """A worker rank: load and shard the target, then execute broadcast commands until shutdown."""
     torch.set_num_threads(threads_per_rank(world))
     torch.set_grad_enabled(False)
-    from draftwise.distributed.tensor_parallel import local_kv_heads, shard_target
-    from draftwise.engine.kv_cache import KVCache
-    from draftwise.layers.attention import AttentionMetadata
+    from draftwise.distributed.tensor_parallel import shard_target
     from draftwise.models.loader import load_target_model
+    from draftwise.worker.model_runner import ModelRunner
     model, cfg, _ = load_target_model(config.model, config.torch_dtype, config.device,
                                       max_position=config.max_model_len + 256)
     store = dist.TCPStore(host, port, world, False, timeout=TIMEOUT)
     store.set(f"ready{rank}", "1")
     dist.init_process_group(_backend(config.device), store=store, rank=rank, world_size=world, timeout=TIMEOUT)
     shard_target(model, rank, world)
-    kv_cache = None
+    runner, step = None, None
     try:
         while True:
             box = [None]
@@ -272,15 +305,15 @@ def worker_main(config, rank: int, world: int, port: int, host: str = "127.0.0.1
             kind, payload = box[0]
             if kind == "shutdown":
                 break
-            if kind == "init":
-                specs = [(local_kv_heads(cfg.num_key_value_heads, world), cfg.head_dim)] * cfg.num_hidden_layers
-                kv_cache = KVCache(payload["num_blocks"], config.block_size, specs, config.torch_dtype,
-                                   config.device)
-            elif kind == "forward":
-                meta = AttentionMetadata(**payload["meta"]).finalize()
-                model(payload["input_ids"], payload["positions"], meta, kv_cache, payload["logits_indices"])
-            elif kind == "copy_slots":
-                kv_cache.copy_slots(payload["src"], payload["dst"], range(cfg.num_hidden_layers))
+            if kind == "init":             # the same runner as rank 0's, without drafter or sampler
+                runner = ModelRunner(config, model, cfg, None, payload["num_blocks"])
+            elif kind == "step":
+                step = runner.prepare(payload, sampling=False)
+                runner.forward(step)
+            elif kind == "accept":
+                runner.keep_accepted_paths(step, payload)
+            elif kind == "measure":
+                runner.measure_target_costs(payload["sizes"], payload["repeats"], payload["context"])
             else:
                 raise RuntimeError(f"unknown tensor-parallel command {kind!r}")
     finally:

@@ -50,12 +50,11 @@ class LLMEngine:
             max_position=config.max_model_len + 256)
         drafter_target = self.model
         if self.tp is not None:
-            from draftwise.distributed.tensor_parallel import DrafterTargetView, TensorParallelTarget, shard_target
+            from draftwise.distributed.tensor_parallel import DrafterTargetView, shard_target
             emb = self.model.embed_tokens.weight.detach().clone()
             head = emb if self.model_cfg.tie_word_embeddings else self.model.lm_head.weight.detach().clone()
             drafter_target = DrafterTargetView(self.model, emb, head)
             shard_target(self.model, 0, config.tensor_parallel_size)
-            self.model = TensorParallelTarget(self.model, self.tp)
         self._keep_embedding_quantized()
         self.tokenizer = load_tokenizer(self.model_path)
         self.eos_token_ids = tuple(self.model_cfg.eos_token_ids)
@@ -74,6 +73,9 @@ class LLMEngine:
         lookahead = self.proposer.num_lookahead_tokens if self.proposer else 0
         num_blocks = config.num_kv_blocks or self._kv_blocks_for_budget(lookahead)
         self.runner = ModelRunner(config, self.model, self.model_cfg, self.proposer, num_blocks)
+        if self.tp is not None:            # every rank runs the same runner on rank 0's SchedulerOutput
+            from draftwise.distributed.worker import TensorParallelRunner
+            self.runner = TensorParallelRunner(self.runner, self.tp)
         self.scheduler = Scheduler(config, num_blocks, lookahead)
         self.spec_stats = SpecDecodingStats()
         self.spec_stats_by_source: dict[str, SpecDecodingStats] = {}

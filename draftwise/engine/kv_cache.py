@@ -20,7 +20,6 @@ class KVCache:
         for i, spec in enumerate(self.layer_specs):
             groups.setdefault(spec, []).append(i)
         self._layers: list = [None] * len(self.layer_specs)
-        self.copy_hook = None        # tensor parallelism: mirrors target-layer copies on the workers
         for (hkv, hd), idxs in groups.items():
             t = torch.zeros(len(idxs), 2, self.num_slots, hkv, hd, dtype=dtype, device=device)
             for j, li in enumerate(idxs):
@@ -36,8 +35,6 @@ class KVCache:
     def copy_slots(self, src: torch.Tensor, dst: torch.Tensor, layers: range | None = None) -> None:
         """Move K/V entries src -> dst (same length) in the given layers (all by default); used to
         keep only the accepted path of a verified tree."""
-        if self.copy_hook is not None:
-            self.copy_hook(src, dst, layers)
         for i in (layers if layers is not None else range(self.num_layers)):
             k, v = self._layers[i]
             k.index_copy_(0, dst, k[src])

@@ -12,6 +12,7 @@ through `add_drafts()`. The scheduler is tested with hand-built outputs, no mode
 """
 from __future__ import annotations
 
+import copy
 import math
 import time
 from collections import deque
@@ -54,6 +55,15 @@ class ScheduledRequest:
 
 
 @dataclass
+class RequestView:
+    """What a target forward reads of a request (its KV blocks): the picklable stand-in for a
+    Request in the SchedulerOutput that tensor-parallel worker ranks receive."""
+    request_id: str
+    block_ids: list[int]
+    num_tokens: int
+
+
+@dataclass
 class SchedulerOutput:
     """What one step runs: the scheduled requests in batch order, and those preempted to make room."""
     scheduled: list[ScheduledRequest] = field(default_factory=list)
@@ -62,6 +72,17 @@ class SchedulerOutput:
     @property
     def num_tokens(self) -> int:
         return sum(s.num_new_tokens for s in self.scheduled)
+
+    def for_workers(self) -> "SchedulerOutput":
+        """The step as worker ranks run it: the same scheduled rows (tokens, positions, drafts and
+        their verification trees), each request reduced to a RequestView (requests carry sampling
+        state, grammar matchers and detokenizers that neither pickle nor matter to a forward)."""
+        scheduled = []
+        for s in self.scheduled:
+            v = copy.copy(s)
+            v.request = RequestView(s.request.request_id, list(s.request.block_ids), s.request.num_tokens)
+            scheduled.append(v)
+        return SchedulerOutput(scheduled)
 
 
 @dataclass

@@ -177,9 +177,6 @@ class LlamaForCausalLM(nn.Module):
         self.layers_step = self.run_layers
         self.logits_step = self.compute_logits
 
-    def bind_kv_cache(self, kv_cache) -> None:
-        """The KV cache this model writes (a tensor-parallel target tells its worker ranks)."""
-
     # --- SupportsEagle3 -------------------------------------------------------------------------
     def get_eagle3_aux_hidden_state_layers(self) -> tuple[int, ...]:
         n = len(self.layers)

@@ -83,7 +83,6 @@ class ModelRunner:
             if proposer.needs_aux_hidden_states:
                 model.set_aux_hidden_state_layers(proposer.aux_layers())
         self.kv_cache = KVCache(num_blocks, self.block_size, specs, config.kv_torch_dtype, self.device)
-        model.bind_kv_cache(self.kv_cache)
         self.generator = torch.Generator(device="cpu").manual_seed(config.seed)
         spec = config.speculative_config
         self.fused_greedy = spec is None or spec.rejection_sampler == "fused"
@@ -176,9 +175,11 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         return self.run(self.prepare(out))
 
-    def prepare(self, out: SchedulerOutput) -> "StepInputs":
+    def prepare(self, out: SchedulerOutput, sampling: bool = True) -> "StepInputs":
         """Everything a step reads from the scheduler and the requests, as tensors (async scheduling
-        builds these before handing the step to the model thread, so the scheduler may move on)."""
+        builds these before handing the step to the model thread, so the scheduler may move on).
+        `sampling=False`: the forward's inputs only (tensor-parallel worker ranks, which hold
+        RequestViews and never sample)."""
         t0 = time.perf_counter()
         scheds = out.scheduled
         reqs = [s.request for s in scheds]
@@ -212,23 +213,33 @@ class ModelRunner:
                                  row_invariant=self.config.quantization is not None).finalize()
         cu = torch.cumsum(torch.tensor(qlens), 0).tolist()
         num_draft = [s.num_draft_tokens for s in scheds]
-        sampling = self._sampling_metadata(reqs)
+        sampling_meta = self._sampling_metadata(reqs) if sampling else None
         # logits at each request's last num_draft + 1 rows (trees: the root, then the nodes)
         spec_meta = SpecDecodeMetadata.build(num_draft, cu, input_ids)
         self.timer.add("prepare", time.perf_counter() - t0)
-        return StepInputs(out, input_ids, positions, block_tables, cache_pos, meta, cu, num_draft, sampling,
+        return StepInputs(out, input_ids, positions, block_tables, cache_pos, meta, cu, num_draft, sampling_meta,
                           spec_meta, any_tree)
+
+    def forward(self, inp: "StepInputs"):
+        """The target forward of a prepared step (every tensor-parallel rank runs this alike)."""
+        return self._target_forward(inp.input_ids, inp.positions, inp.meta, inp.spec_meta.logits_indices)
+
+    def keep_accepted_paths(self, inp: "StepInputs", accepted_rows: list[list[int]]) -> None:
+        """After tree verification: move each request's accepted nodes' target-layer K/V right
+        behind its root, so the cache holds exactly the accepted path (every rank alike)."""
+        from draftwise.spec_decode.tree import compact_tree_kv
+        compact_tree_kv(self.kv_cache, inp.sched.scheduled, accepted_rows, inp.block_tables, self.block_size,
+                        self.model_cfg.num_hidden_layers)
 
     @torch.inference_mode()
     def run(self, inp: "StepInputs") -> ModelRunnerOutput:
         """The target forward, verification / sampling and tree KV compaction of a prepared step."""
         out, scheds = inp.sched, inp.sched.scheduled
         input_ids, positions, block_tables, cache_pos = inp.input_ids, inp.positions, inp.block_tables, inp.cache_pos
-        meta, cu, num_draft, sampling, spec_meta = inp.meta, inp.cu, inp.num_draft, inp.sampling, inp.spec_meta
+        cu, num_draft, sampling, spec_meta = inp.cu, inp.num_draft, inp.sampling, inp.spec_meta
         any_tree = inp.any_tree
-        logits_indices = spec_meta.logits_indices
         t1 = time.perf_counter()
-        output = self._target_forward(input_ids, positions, meta, logits_indices)
+        output = self.forward(inp)
         t2 = time.perf_counter()
         if self.hidden_recorder is not None:
             self.hidden_recorder.record(scheds, cache_pos, output)
@@ -240,10 +251,9 @@ class ModelRunner:
             apply_grammar_masks(output.logits, scheds, self.model_cfg.vocab_size)
         accepted_rows: list[list[int]] = []
         if any_tree:
-            from draftwise.spec_decode.tree import compact_tree_kv, verify_trees
+            from draftwise.spec_decode.tree import verify_trees
             new_tokens, accepted_rows = verify_trees(output.logits, scheds, sampling, self.device)
-            compact_tree_kv(self.kv_cache, scheds, accepted_rows, block_tables, self.block_size,
-                            self.model_cfg.num_hidden_layers)
+            self.keep_accepted_paths(inp, accepted_rows)
         else:
             nd = torch.tensor(num_draft, dtype=torch.long, device=self.device)
             drafts = spec_meta.draft_matrix()

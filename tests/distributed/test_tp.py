@@ -41,7 +41,11 @@ def test_tp2_equals_tp1_greedy_with_drafters_and_seeded_sampling(targets, arch):
     specs = [None,
              {"method": "eagle3", "model": ck, "num_speculative_tokens": 3},
              {"method": "eagle3", "model": ck, "num_speculative_tokens": 4, "eagle_topk": 2, "eagle_depth": 2},
-             {"method": "dflash", "model": dck}]
+             {"method": "dflash", "model": dck},
+             # the adaptive policy measures step costs at start-up: every rank takes part (its draft
+             # lengths follow the costs, so seeded requests go without drafts to stay comparable)
+             {"method": "suffix", "adaptive": True, "draft_tree": True, "num_speculative_tokens": 6,
+              "draft_seeded_sampling": False}]
     sampled = [SamplingParams(temperature=0.9, top_p=0.95, max_tokens=16, seed=100 + i, ignore_eos=True)
                for i in range(len(PROMPTS))]
     kw = dict(block_size=4, max_model_len=128, max_num_seqs=4)
