@@ -124,6 +124,9 @@ class SpeculativeConfig:
     suffix_decoding_max_cached_requests: int = 10000
     suffix_decoding_max_spec_factor: float = 1.0
     suffix_decoding_min_token_prob: float = 0.1
+    # a static corpus searched beside the request and cached outputs (spec_decode/datastore.py):
+    # "auto" - the datastore shipped for this target, if any; None / "none" - off; or a directory
+    suffix_decoding_datastore: str | None = "auto"
     # suffix decoding: verify a tree of candidates instead of the most likely chain
     draft_tree: bool = False
     # hybrid drafting: "suffix" | "ngram" beside an eagle3 / dflash drafter
@@ -178,6 +181,9 @@ class SpeculativeConfig:
         if not isinstance(self.suffix_decoding_min_token_prob, (int, float)) or not 0 <= self.suffix_decoding_min_token_prob <= 1:
             raise ValueError("suffix_decoding_min_token_prob must be in [0, 1], got "
                              f"{self.suffix_decoding_min_token_prob!r}")
+        ds = self.suffix_decoding_datastore
+        if ds is not None and not isinstance(ds, str):
+            raise ValueError(f"suffix_decoding_datastore must be 'auto', 'none' or a directory, got {ds!r}")
         if self.draft_tree and self.method != "suffix" and self.hybrid != "suffix":
             raise ValueError("draft_tree applies to suffix decoding (method 'suffix' or hybrid 'suffix'); "
                              "EAGLE-3 trees use eagle_topk > 1")

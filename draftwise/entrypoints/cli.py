@@ -118,7 +118,10 @@ TRAINERS = {
     "eagle3": ("draftwise.training.eagle3", "TrainConfig", "train_eagle3", "train an EAGLE-3 head on shards"),
     "dflash": ("draftwise.training.dflash", "DFlashTrainConfig", "train_dflash",
                "train a DFlash block drafter on shards"),
+    "gen-datastore": ("draftwise.training.gen_datastore", "GenDatastoreConfig", "generate_datastore",
+                      "suffix-decoding datastore: the target's own greedy answers, packed into tokens.npy"),
 }
+GENERATORS = ("gen-data", "gen-datastore")      # resumable by default, print a JSON summary
 
 
 def cmd_train(args) -> int:
@@ -128,10 +131,10 @@ def cmd_train(args) -> int:
     mod_name, cls_name, fn_name, _ = TRAINERS[args.trainer]
     mod = importlib.import_module(mod_name)
     cfg = config_from_args(getattr(mod, cls_name), args)
-    if args.trainer != "gen-data" and not args.resume and os.path.exists(os.path.join(cfg.out, "trainer_state.pt")):
+    if args.trainer not in GENERATORS and not args.resume and os.path.exists(os.path.join(cfg.out, "trainer_state.pt")):
         raise ValueError(f"{cfg.out} already holds a training run; pass --resume or choose another --out")
     result = getattr(mod, fn_name)(cfg, progress=not args.no_progress)
-    print(f"exported drafter: {result}" if args.trainer != "gen-data" else json.dumps(result))
+    print(f"exported drafter: {result}" if args.trainer not in GENERATORS else json.dumps(result))
     return 0
 
 
@@ -171,7 +174,7 @@ def make_parser() -> argparse.ArgumentParser:
         tp = tsub.add_parser(name, help=help_)
         cls = getattr(importlib.import_module(mod_name), cls_name)
         add_dataclass_args(tp, cls, defaults={"target": DEFAULT_MODEL})
-        if name != "gen-data":
+        if name not in GENERATORS:
             tp.add_argument("--resume", action="store_true", help="continue the run in --out")
         tp.set_defaults(func=cmd_train)
     return p

@@ -8,33 +8,54 @@ from draftwise.config import EngineConfig, ModelConfig, SpeculativeConfig
 DRAFTERS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "drafters")
 
 
-def shipped_drafter(model_path: str, target_cfg: ModelConfig, method: str) -> str | None:
-    """The drafter shipped in the package for this target, found by the target's shape."""
+def shipped_drafter(model_path: str, target_cfg: ModelConfig, method: str, marker: str = "config.json") -> str | None:
+    """The drafter (or datastore) shipped in the package for this target, found by the target's shape."""
     key = f"{target_cfg.architecture}-L{target_cfg.num_hidden_layers}-H{target_cfg.hidden_size}-V{target_cfg.vocab_size}"
     d = os.path.join(DRAFTERS_DIR, key, method)
-    return d if os.path.exists(os.path.join(d, "config.json")) else None
+    return d if os.path.exists(os.path.join(d, marker)) else None
 
 
 def build_proposer(spec: SpeculativeConfig, target_model, target_cfg: ModelConfig, cfg: EngineConfig,
                    model_path: str):
     if spec.method in ("ngram", "suffix"):
-        return _training_free(spec.method, spec, spec.num_speculative_tokens)
+        return _training_free(spec.method, spec, spec.num_speculative_tokens, target_cfg)
     model = _model_proposer(spec, target_model, target_cfg, cfg, model_path)
     if spec.hybrid is None:
         return model
     from draftwise.spec_decode.hybrid import HybridProposer
     fast_k = spec.suffix_decoding_max_tree_depth if spec.hybrid == "suffix" else spec.num_speculative_tokens
-    return HybridProposer(model, _training_free(spec.hybrid, spec, fast_k), fast_k)
+    return HybridProposer(model, _training_free(spec.hybrid, spec, fast_k, target_cfg), fast_k)
 
 
-def _training_free(method: str, spec: SpeculativeConfig, k: int):
+def _training_free(method: str, spec: SpeculativeConfig, k: int, target_cfg: ModelConfig):
     if method == "ngram":
         from draftwise.spec_decode.ngram import NgramProposer
         return NgramProposer(k, spec.prompt_lookup_min, spec.prompt_lookup_max)
     from draftwise.spec_decode.suffix import SuffixProposer
     return SuffixProposer(k, spec.suffix_decoding_max_tree_depth, spec.suffix_decoding_max_cached_requests,
                           spec.suffix_decoding_max_spec_factor, spec.suffix_decoding_min_token_prob,
-                          spec.draft_tree)
+                          spec.draft_tree, suffix_datastore(spec, target_cfg))
+
+
+def suffix_datastore(spec: SpeculativeConfig, target_cfg: ModelConfig):
+    """The Datastore suffix decoding searches (None: none): the one shipped for this target when
+    "auto", a directory when named. Resolved into spec.suffix_decoding_datastore (a path or None)."""
+    from draftwise.spec_decode.datastore import Datastore
+    where = spec.suffix_decoding_datastore
+    if where is None or where.lower() == "none":
+        spec.suffix_decoding_datastore = None
+        return None
+    if where.lower() == "auto":
+        where = shipped_drafter("", target_cfg, "suffix-datastore", marker="tokens.npy")
+        if where is None:
+            spec.suffix_decoding_datastore = None
+            return None
+    ds = Datastore.load(where)
+    if ds.n and int(ds.buf.max()) >= target_cfg.vocab_size:
+        raise ValueError(f"suffix-decoding datastore {where!r} holds token ids beyond the target's vocabulary "
+                         f"({int(ds.buf.max())} >= {target_cfg.vocab_size})")
+    spec.suffix_decoding_datastore = where
+    return ds
 
 
 def apply_drafter_preset(spec: SpeculativeConfig, raw: dict, path: str) -> None:

@@ -4,7 +4,9 @@ Training-free drafting from suffix statistics. Two token corpora are searched ev
 
 - the request's own tokens (prompt + output so far): its "per-request suffix tree";
 - the outputs of earlier requests (a bounded FIFO cache of `max_cached_requests`): the "global
-  suffix tree" (0 disables it).
+  suffix tree" (0 disables it);
+- optionally a static datastore of answers the target wrote beforehand (spec_decode/datastore.py),
+  searched through a suffix array; it drafts the model's habitual phrasing from the first request.
 
 For a corpus, the *occurrences* of the context's longest suffix (at most `max_tree_depth` tokens)
 are the nodes of a suffix tree's matched path; the tokens that followed those occurrences form the
@@ -159,7 +161,8 @@ class SuffixCache:
     """Per-request indexes plus the global index over earlier requests' outputs (FIFO-bounded)."""
 
     def __init__(self, max_tree_depth: int = 24, max_cached_requests: int = 10000,
-                 max_spec_factor: float = 1.0, min_token_prob: float = 0.1):
+                 max_spec_factor: float = 1.0, min_token_prob: float = 0.1, datastore=None):
+        self.datastore = datastore            # a Datastore (spec_decode/datastore.py) or None
         self.max_depth = max_tree_depth
         self.max_cached = max_cached_requests
         self.factor = max_spec_factor
@@ -223,6 +226,13 @@ class SuffixCache:
             g = self._draft_from(self.global_index, ctx, False, max_draft, tree)
             if g.expected_accepted > best.expected_accepted:
                 best = g
+        if self.datastore is not None:
+            occ, length = self.datastore.matches(ctx, self.max_depth)
+            if len(occ):
+                d = build_draft(self.datastore.buf, self.datastore.n, occ, length, max_draft, self.factor,
+                                self.min_prob, tree)
+                if d.expected_accepted > best.expected_accepted:
+                    best = d
         return best
 
 
@@ -231,10 +241,10 @@ class SuffixProposer(Proposer):
     method = "suffix"
 
     def __init__(self, num_speculative_tokens: int, max_tree_depth: int = 24, max_cached_requests: int = 10000,
-                 max_spec_factor: float = 1.0, min_token_prob: float = 0.1, tree: bool = False):
+                 max_spec_factor: float = 1.0, min_token_prob: float = 0.1, tree: bool = False, datastore=None):
         self.k = num_speculative_tokens
         self.tree = tree
-        self.cache = SuffixCache(max_tree_depth, max_cached_requests, max_spec_factor, min_token_prob)
+        self.cache = SuffixCache(max_tree_depth, max_cached_requests, max_spec_factor, min_token_prob, datastore)
         self.num_lookahead_tokens = 0
 
     def suffix_drafts(self, inp: ProposerInput, num_spec_tokens: int) -> list[Draft]:
