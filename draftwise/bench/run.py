@@ -37,7 +37,7 @@ PRESETS = {
     "eagle3-ngram": {"method": "eagle3", "num_speculative_tokens": 3, "hybrid": "ngram",
                      "prompt_lookup_min": 2, "prompt_lookup_max": 4},
 }
-PEERS = ("hf", "hf-pld", "llamacpp", "llamacpp-pld")
+PEERS = ("hf", "hf-pld", "llamacpp", "llamacpp-pld", "openvino", "openvino-pld")
 
 
 def add_bench_args(p) -> None:
@@ -65,6 +65,9 @@ def add_bench_args(p) -> None:
                    help="target weights for every engine method without an @none/@int8/@int4 suffix (default: "
                         "auto, the engine's default - the model's own format, Q4_1 for the packaged GGUF)")
     p.add_argument("--rounds", type=int, default=1, help="sweep: repeat the sweep, report medians")
+    p.add_argument("--openvino-model", default=None,
+                   help="the openvino / openvino-pld peers: an OpenVINO model exported from the same weights "
+                        "(python -m draftwise.bench.openvino_export)")
 
 
 def _split_methods(s: str) -> list[str]:
@@ -163,6 +166,7 @@ def run_engine_method(name, spec, args, convs, bar=None, llm=None, quantization=
     eng.runner.timer.reset()
     n_tokens = 0
     gen_time = 0.0
+    timing = PhaseTimes()
 
     def gen(hists):
         nonlocal n_tokens, gen_time
@@ -172,6 +176,10 @@ def run_engine_method(name, spec, args, convs, bar=None, llm=None, quantization=
         outs = llm.generate(prompts, params)
         gen_time += time.perf_counter() - t0
         n_tokens += sum(len(o.outputs[0].token_ids) for o in outs)
+        for o in outs:
+            m = o.metrics
+            timing.add(len(o.outputs[0].token_ids), None if m.first_token_time is None else m.first_token_time - m.arrival_time,
+                       (m.finished_time or m.first_token_time or m.arrival_time) - m.arrival_time)
         return [o.outputs[0].text for o in outs], [o.outputs[0].token_ids for o in outs]
 
     outputs = _chat_turns(llm, convs, gen, args.max_turns, args.batch_size, bar)
@@ -188,6 +196,7 @@ def run_engine_method(name, spec, args, convs, bar=None, llm=None, quantization=
            "num_drafts": drafts, "num_draft_tokens": dtoks, "num_accepted": acc,
            "mean_acceptance_length": 1 + acc / drafts if drafts else None,
            "acceptance_per_position": [a / drafts for a in per_pos] if drafts else [],
+           **timing.summary(),
            "step_breakdown_s": {k: round(v, 3) for k, v in eng.runner.timer.totals.items()},
            "num_steps": eng.runner.timer.steps, "outputs": outputs}
     prop = eng.proposer
@@ -201,27 +210,57 @@ def run_engine_method(name, spec, args, convs, bar=None, llm=None, quantization=
     return res
 
 
+class PhaseTimes:
+    """Time to first token and decode speed (tokens after the first over the time after it), summed
+    over a run's requests: the same figures for draftwise's rows and the peers'."""
+
+    def __init__(self):
+        self.ttfts, self.decode_tokens, self.decode_s = [], 0, 0.0
+
+    def add(self, n_tokens: int, ttft_s: float | None, total_s: float) -> None:
+        if ttft_s is None or n_tokens < 2:
+            return
+        self.ttfts.append(ttft_s)
+        self.decode_tokens += n_tokens - 1
+        self.decode_s += max(total_s - ttft_s, 1e-9)
+
+    def summary(self) -> dict:
+        if not self.ttfts:
+            return {"ttft_mean_s": None, "decode_tokens_per_s": None}
+        return {"ttft_mean_s": sum(self.ttfts) / len(self.ttfts),
+                "decode_tokens_per_s": self.decode_tokens / self.decode_s}
+
+
 def run_peer_method(name, args, convs, bar=None) -> dict:
     from draftwise.bench.peers import make_peer
-    peer = make_peer(name, args.model, args.max_tokens)
+    try:
+        peer = make_peer(name, args.model, args.max_tokens, getattr(args, "openvino_model", None))
+    except (ImportError, ValueError, RuntimeError) as e:
+        # a peer that cannot run stops the comparison: it never silently leaves the table
+        raise ValueError(f"peer {name!r} could not run: {e}") from None
     n_tokens, gen_time = 0, 0.0
+    timing = PhaseTimes()
 
     def gen(hists):
         nonlocal n_tokens, gen_time
         texts, ids = [], []
         for h in hists:
             t0 = time.perf_counter()
-            t, tid = peer.generate(h)
+            t, tid, pt = peer.generate(h)
             gen_time += time.perf_counter() - t0
             n_tokens += len(tid)
+            timing.add(len(tid), pt.ttft_s, pt.total_s)
             texts.append(t)
             ids.append(tid)
         return texts, ids
 
     outputs = _chat_turns(None, convs, gen, args.max_turns, 1, bar)
-    return {"method": name, "spec": name, "output_tokens": n_tokens, "time_s": gen_time,
-            "tokens_per_s": n_tokens / gen_time if gen_time else 0.0, "mean_acceptance_length": None,
-            "acceptance_per_position": [], "outputs": outputs}
+    res = {"method": name, "spec": name, "output_tokens": n_tokens, "time_s": gen_time,
+           "tokens_per_s": n_tokens / gen_time if gen_time else 0.0, "mean_acceptance_length": None,
+           "acceptance_per_position": [], "outputs": outputs, **timing.summary()}
+    if hasattr(peer, "weights"):
+        res["quantization"] = peer.weights
+    return res
 
 
 def _setup_and_load(args) -> list:
@@ -246,20 +285,15 @@ def run_bench(args) -> list[dict]:
     for name, spec, quant in methods:
         bar.set_postfix(method=name)
         if spec in PEERS:
-            try:
-                r = run_peer_method(name, args, convs, bar)
-            except (ImportError, ValueError) as e:
-                r = {"method": name, "skipped": str(e)}
+            r = run_peer_method(name, args, convs, bar)
         else:
             r = run_engine_method(name, spec, args, convs, bar, quantization=quant)
         results.append(r)
     bar.close()
     ar = results[0]
     # greedy outputs are compared with plain decoding of the same weights (fp32 or quantized)
-    plain = {r.get("quantization"): r for r in results if "skipped" not in r and r.get("spec", 0) is None}
+    plain = {r.get("quantization"): r for r in results if r.get("spec", 0) is None}
     for r in results:
-        if "skipped" in r:
-            continue
         r["speedup_vs_ar"] = r["tokens_per_s"] / ar["tokens_per_s"] if ar["tokens_per_s"] else None
         base = plain.get(r.get("quantization"), ar) if r.get("spec") not in PEERS else ar
         r["speedup_vs_same_weights_ar"] = r["tokens_per_s"] / base["tokens_per_s"] if base["tokens_per_s"] else None
@@ -288,20 +322,20 @@ def to_markdown(results: list[dict], args) -> str:
     lines = [f"Prompts: `{args.dataset}` ({args.num_prompts or 'all'} conversations, up to {args.max_turns} turns), "
              f"greedy, batch {args.batch_size}, up to {args.max_tokens} new tokens per turn. "
              f"Machine: {machine_description()}.", "",
-             "| method | tokens/s | speedup vs AR | vs AR, same weights | mean acc. length | acceptance per position "
-             "| greedy == plain decoding (of) |",
-             "|---|---|---|---|---|---|---|"]
+             "| method | tokens/s | decode tok/s | TTFT mean | speedup vs AR | vs AR, same weights | mean acc. length "
+             "| acceptance per position | greedy == plain decoding (of) |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in results:
-        if "skipped" in r:
-            lines.append(f"| {r['method']} | skipped: {r['skipped']} | | | | | |")
-            continue
         mal = f"{r['mean_acceptance_length']:.2f}" if r.get("mean_acceptance_length") else "–"
         pp = " ".join(f"{a:.2f}" for a in r.get("acceptance_per_position", [])) or "–"
         gm = r.get("greedy_match")
         gms = "–" if gm is None else ("yes" if gm == 1.0 else f"{gm:.0%}")
         same = r.get("speedup_vs_same_weights_ar") or 0
-        lines.append(f"| {r['method']} | {r['tokens_per_s']:.1f} | {r.get('speedup_vs_ar', 0):.2f}x | {same:.2f}x | {mal} "
-                     f"| {pp} | {gms} ({r.get('greedy_reference')}) |")
+        dec = r.get("decode_tokens_per_s")
+        ttft = r.get("ttft_mean_s")
+        lines.append(f"| {r['method']} | {r['tokens_per_s']:.1f} | {'–' if dec is None else f'{dec:.1f}'} "
+                     f"| {'–' if ttft is None else f'{ttft * 1000:.0f} ms'} | {r.get('speedup_vs_ar', 0):.2f}x "
+                     f"| {same:.2f}x | {mal} | {pp} | {gms} ({r.get('greedy_reference')}) |")
     return "\n".join(lines)
 
 
@@ -318,8 +352,7 @@ def plot(results: list[dict], path: str) -> None:
     a1.set_ylabel("fraction of drafts accepted at position")
     a1.set_title("acceptance per position")
     a1.legend()
-    ok = [r for r in results if "skipped" not in r]
-    a2.bar([r["method"] for r in ok], [r.get("speedup_vs_ar") or 0 for r in ok])
+    a2.bar([r["method"] for r in results], [r.get("speedup_vs_ar") or 0 for r in results])
     a2.axhline(1.0, color="gray", linestyle="--")
     a2.set_ylabel("speedup vs autoregressive")
     a2.set_title("speedup (same run)")

@@ -22,6 +22,8 @@ def test_bench_runs_methods_side_by_side(tmp_path):
     assert [r["method"] for r in res] == ["ar", "ngram"]
     assert res[1]["greedy_match"] == 1.0 and res[1]["num_drafts"] > 0
     assert res[0]["speedup_vs_ar"] == 1.0
+    for r in res:                                   # time to first token and decode speed apart
+        assert r["ttft_mean_s"] > 0 and r["decode_tokens_per_s"] > 0
     assert os.path.getsize(os.path.join(out, "bench.png")) > 1000
     assert "| ngram |" in open(os.path.join(out, "bench.md")).read()
     # quantized targets: speculation is compared with plain decoding of the same weights
@@ -36,6 +38,21 @@ def test_bench_runs_methods_side_by_side(tmp_path):
     assert rc == 0
     sw = json.load(open(os.path.join(out, "sweep.json")))
     assert set(sw["tokens_per_s"]) == {"ar", "ngram"} and sw["batch_sizes"] == [1, 2]
+
+
+def test_a_peer_that_cannot_run_stops_the_comparison(tmp_path, capsys):
+    """A peer never silently leaves the table: the run stops with its error."""
+    from tests.tokenizer_util import add_tiny_tokenizer
+    model = str(tmp_path / "m")
+    make_tiny_hf(model)
+    add_tiny_tokenizer(model)
+    q = tmp_path / "question.jsonl"
+    q.write_text(json.dumps({"question_id": 0, "turns": ["hello"]}) + "\n")
+    rc = main(["bench", "--model", model, "--methods", "ar,openvino", "--dataset", str(q), "--max-tokens", "4",
+               "--max-model-len", "128", "--out", str(tmp_path / "out"), "--openvino-model", str(tmp_path)])
+    assert rc != 0
+    err = capsys.readouterr().err
+    assert "peer 'openvino' could not run" in err and "Traceback" not in err
 
 
 def test_step_cost_bench(tmp_path):
