@@ -205,6 +205,10 @@ class LLMEngine:
             quantize_model(self.model, config.quantization, source)
             if draft is not None:
                 quantize_model(draft, "int8")
+            if config.quantization == "int4" and config.enforce_eager and hasattr(self.model, "layers"):
+                # eager steps: each decoder layer in two C++ calls around attention
+                from draftwise.layers.fused_layer import enable_fused_layers
+                enable_fused_layers(self.model)
             return
         if torch.device(config.device).type == "cpu" and self.tp is None:
             # compiled graphs read a transposed copy of every weight (and only that copy)

@@ -491,6 +491,136 @@ void attend_rows(const torch::Tensor& q, const torch::Tensor& k_cache, const tor
   else TORCH_CHECK(false, "attend_rows: cache dtype must be fp32, bf16 or fp16");
 }
 
+// --- a decoder layer's elementwise work fused around the int4 linears ------------------------------
+// One call does what ~25 eager PyTorch ops per layer did (RMSNorm, the bf16 cast, RoPE, SiLU-and-mul,
+// the residual adds). Every row is computed alone, in a fixed order, so a row's values do not depend
+// on the other rows of the call (speculation stays bit-exact with plain decoding).
+namespace {
+
+// fp32 -> bf16, round to nearest even (as at::BFloat16's conversion; inputs are finite)
+inline uint16_t to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  u += 0x7FFFu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+// out[r] = bf16(w * (x[r] / rms(x[r])))
+AVX512F void rms_norm_rows_bf16(const float* x, const float* w, int M, int H, float eps, uint16_t* out) {
+  for (int r = 0; r < M; ++r) {
+    const float* xr = x + static_cast<int64_t>(r) * H;
+    __m512 acc = _mm512_setzero_ps();
+    int i = 0;
+    for (; i + 16 <= H; i += 16) {
+      const __m512 v = _mm512_loadu_ps(xr + i);
+      acc = _mm512_fmadd_ps(v, v, acc);
+    }
+    float ss = _mm512_reduce_add_ps(acc);
+    for (; i < H; ++i) ss += xr[i] * xr[i];
+    const float inv = 1.0f / std::sqrt(ss / static_cast<float>(H) + eps);
+    uint16_t* o = out + static_cast<int64_t>(r) * H;
+    for (int j = 0; j < H; ++j) o[j] = to_bf16(w[j] * (xr[j] * inv));
+  }
+}
+
+// out = bf16(silu(gate) * up) for one row of [gate | up] (I each); silu(g) = g / (1 + exp(-g))
+AVX512F void silu_mul_row(const float* gu, int I, uint16_t* out) {
+  const float* g = gu;
+  const float* u = gu + I;
+  alignas(64) float tmp[16];
+  int i = 0;
+  for (; i + 16 <= I; i += 16) {
+    const __m512 gv = _mm512_loadu_ps(g + i);
+    const __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), gv));
+    const __m512 sv = _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
+    _mm512_store_ps(tmp, _mm512_mul_ps(sv, _mm512_loadu_ps(u + i)));
+    for (int j = 0; j < 16; ++j) out[i + j] = to_bf16(tmp[j]);
+  }
+  for (; i < I; ++i) out[i] = to_bf16(g[i] / (1.0f + std::exp(-g[i])) * u[i]);
+}
+
+// neox-layout rotary embedding of `nh` heads of one row in place: x[i] * cos[i] + rot(x)[i] * sin[i]
+inline void rope_row(float* x, int nh, int D, const float* cos, const float* sin) {
+  const int half = D / 2;
+  for (int h = 0; h < nh; ++h) {
+    float* xh = x + h * D;
+    for (int i = 0; i < half; ++i) {
+      const float a = xh[i], b = xh[i + half];
+      const float lo = a * cos[i], lo_r = -b * sin[i];
+      const float hi = b * cos[i + half], hi_r = a * sin[i + half];
+      xh[i] = lo + lo_r;
+      xh[i + half] = hi + hi_r;
+    }
+  }
+}
+
+}  // namespace
+
+// The attention block's input side: h = RMSNorm(x) -> bf16 -> q|k|v = int4 linear -> RoPE on q and k.
+// x [M, H] fp32; cos / sin [M, D] (the rows' positions); returns q [M, nq*D], k, v [M, nkv*D], fp32.
+std::vector<torch::Tensor> attn_in(const torch::Tensor& x, const torch::Tensor& norm_w, double eps,
+                                   const torch::Tensor& nibbles, const torch::Tensor& sm, bool use_amx,
+                                   const torch::Tensor& cos, const torch::Tensor& sin, int64_t nq, int64_t nkv,
+                                   int64_t D) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous(), "x: contiguous fp32 [M, H]");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.size(1) == D, "cos / sin: contiguous [M, D]");
+  const int M = x.size(0), H = x.size(1);
+  auto h = torch::empty({M, H}, x.options().dtype(torch::kBFloat16));
+  rms_norm_rows_bf16(x.data_ptr<float>(), norm_w.data_ptr<float>(), M, H, static_cast<float>(eps),
+                     reinterpret_cast<uint16_t*>(h.data_ptr<at::BFloat16>()));
+  auto qkv = int4_linear(h, nibbles, sm, use_amx);                  // [M, (nq + 2 nkv) D]
+  const int64_t W = (nq + 2 * nkv) * D;
+  TORCH_CHECK(qkv.size(1) == W, "qkv width");
+  auto q = torch::empty({M, nq * D}, x.options()), k = torch::empty({M, nkv * D}, x.options()),
+       v = torch::empty({M, nkv * D}, x.options());
+  const float* src = qkv.data_ptr<float>();
+  float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
+  for (int r = 0; r < M; ++r) {
+    const float* row = src + r * W;
+    std::memcpy(qp + r * nq * D, row, sizeof(float) * nq * D);
+    std::memcpy(kp + r * nkv * D, row + nq * D, sizeof(float) * nkv * D);
+    std::memcpy(vp + r * nkv * D, row + (nq + nkv) * D, sizeof(float) * nkv * D);
+    const float* c = cos.data_ptr<float>() + r * D;
+    const float* s = sin.data_ptr<float>() + r * D;
+    rope_row(qp + r * nq * D, nq, D, c, s);
+    rope_row(kp + r * nkv * D, nkv, D, c, s);
+  }
+  return {q, k, v};
+}
+
+// The rest of the layer: x1 = x + o_proj(attn); h = RMSNorm(x1); x2 = x1 + down(silu(gate) * up).
+torch::Tensor attn_out_mlp(const torch::Tensor& x, const torch::Tensor& attn, const torch::Tensor& o_nib,
+                           const torch::Tensor& o_sm, const torch::Tensor& norm_w, double eps,
+                           const torch::Tensor& gu_nib, const torch::Tensor& gu_sm, const torch::Tensor& down_nib,
+                           const torch::Tensor& down_sm, bool use_amx) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous(), "x: contiguous fp32 [M, H]");
+  TORCH_CHECK(attn.scalar_type() == torch::kFloat && attn.is_contiguous(), "attn: contiguous fp32");
+  const int M = x.size(0), H = x.size(1);
+  auto a16 = torch::empty({M, attn.size(1)}, x.options().dtype(torch::kBFloat16));
+  {
+    const float* ap = attn.data_ptr<float>();
+    uint16_t* o = reinterpret_cast<uint16_t*>(a16.data_ptr<at::BFloat16>());
+    for (int64_t i = 0, n = attn.numel(); i < n; ++i) o[i] = to_bf16(ap[i]);
+  }
+  auto x1 = int4_linear(a16, o_nib, o_sm, use_amx);                 // o_proj(attn), then + x
+  float* x1p = x1.data_ptr<float>();
+  const float* xp = x.data_ptr<float>();
+  for (int64_t i = 0, n = x.numel(); i < n; ++i) x1p[i] = xp[i] + x1p[i];
+  auto h = torch::empty({M, H}, x.options().dtype(torch::kBFloat16));
+  rms_norm_rows_bf16(x1p, norm_w.data_ptr<float>(), M, H, static_cast<float>(eps),
+                     reinterpret_cast<uint16_t*>(h.data_ptr<at::BFloat16>()));
+  auto gu = int4_linear(h, gu_nib, gu_sm, use_amx);                 // [M, 2 I]
+  const int I = gu.size(1) / 2;
+  auto act = torch::empty({M, I}, x.options().dtype(torch::kBFloat16));
+  const float* gp = gu.data_ptr<float>();
+  uint16_t* ap = reinterpret_cast<uint16_t*>(act.data_ptr<at::BFloat16>());
+  for (int r = 0; r < M; ++r) silu_mul_row(gp + static_cast<int64_t>(r) * 2 * I, I, ap + static_cast<int64_t>(r) * I);
+  auto y = int4_linear(act, down_nib, down_sm, use_amx);
+  float* yp = y.data_ptr<float>();
+  for (int64_t i = 0, n = y.numel(); i < n; ++i) yp[i] = x1p[i] + yp[i];
+  return y;
+}
+
 bool cpu_supports_avx512_bf16() { return __builtin_cpu_supports("avx512bf16"); }
 bool amx_available() { return amx_permitted(); }
 
@@ -498,6 +628,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_linear", &int4_linear, "weight-stationary int4 (group 32) linear, bf16 x, fp32 out");
   m.def("int8_linear", &int8_linear, "weight-stationary int8 (per output channel) linear, bf16 x, fp32 out");
   m.def("attend_rows", &attend_rows, "row-invariant attention: every row alone over its own keys");
+  m.def("attn_in", &attn_in, "RMSNorm -> int4 qkv -> RoPE, per row");
+  m.def("attn_out_mlp", &attn_out_mlp, "o_proj + residual -> RMSNorm -> int4 gate/up -> SiLU*up -> int4 down + residual");
   m.def("cpu_supports_avx512_bf16", &cpu_supports_avx512_bf16);
   m.def("amx_available", &amx_available);
 }

@@ -15,6 +15,7 @@ from torch import nn
 
 from draftwise.config import ModelConfig
 from draftwise.layers.attention import AttentionMetadata, attend
+from draftwise.layers.fused_layer import fused_layer_forward, fused_rope_rows
 from draftwise.layers.norm import RMSNorm
 from draftwise.layers.rotary import RotaryEmbedding
 
@@ -68,8 +69,11 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(cfg, layer_idx)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.fused = None          # FusedLayerWeights when the layer runs fused (layers/fused_layer.py)
 
-    def forward(self, x, positions, meta, kv_cache, rotary):
+    def forward(self, x, positions, meta, kv_cache, rotary, rope_rows=None):
+        if rope_rows is not None:                    # int4 weights on draftwise's kernel: two C++ calls
+            return fused_layer_forward(self, x, rope_rows, meta, kv_cache)
         x = x + self.self_attn(self.input_layernorm(x), positions, meta, kv_cache, rotary)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -205,10 +209,11 @@ class LlamaForCausalLM(nn.Module):
         h = self.embed_tokens(input_ids)
         captured = {}
         wanted = self.aux_hidden_state_layers
+        rope_rows = fused_rope_rows(self, positions, h, meta)
         for i, layer in enumerate(self.layers):
             if i in wanted:
                 captured[i] = h
-            h = layer(h, positions, meta, kv_cache, self.rotary)
+            h = layer(h, positions, meta, kv_cache, self.rotary, rope_rows)
         aux_t = torch.cat([captured[i] for i in wanted], dim=-1) if wanted else None
         return self.norm(h), aux_t
 

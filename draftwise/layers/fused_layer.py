@@ -1,0 +1,87 @@
+"""A Llama decoder layer on int4 weights in two C++ calls around attention.
+
+Eagerly, a decoder layer is ~55 small PyTorch operations (RMSNorm in five, a bf16 cast before each
+int4 linear, RoPE in seven per tensor, SiLU-and-mul, residual adds); on a 135M-parameter model at
+one token per step their dispatch costs about as much as the int4 matmuls themselves. Where every
+linear of a layer runs on draftwise's int4 kernel, the layer runs as
+
+    q, k, v = attn_in(x)                       RMSNorm -> bf16 -> qkv (int4) -> RoPE
+    o = attend(q, k, v)                        the paged attention of the eager path
+    x = attn_out_mlp(x, o)                     o_proj + residual -> RMSNorm -> gate/up -> SiLU * up
+                                               -> down + residual
+
+(`draftwise/kernels/int4_cpu.cpp`). Every row is computed alone in a fixed order, as the int4 kernel
+and the row-invariant attention are, so a token's values do not depend on how many rows share the
+step: speculation stays bit-exact with plain decoding. The RoPE cos / sin rows of a step are looked
+up once for all layers. Qwen3's q/k norms and attention biases keep the eager path."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class FusedLayerWeights:
+    """A decoder layer's int4 weights in the kernel's packed layout (shared with its Int4Linears)."""
+    qkv: tuple[torch.Tensor, torch.Tensor]       # (nibbles, scales/minimums)
+    o: tuple[torch.Tensor, torch.Tensor]
+    gate_up: tuple[torch.Tensor, torch.Tensor]
+    down: tuple[torch.Tensor, torch.Tensor]
+    use_amx: bool
+    any_rows: bool                                # the kernel also serves more than MAX_KERNEL_ROWS rows
+
+
+def fusable(layer) -> FusedLayerWeights | None:
+    """The packed weights of `layer` (a Llama DecoderLayer) when all its linears run on draftwise's
+    int4 kernel without biases and it has no q/k norm; else None."""
+    from draftwise.layers.quant import Int4Linear
+    attn, mlp = layer.self_attn, layer.mlp
+    lins = [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
+    if attn.qk_norm or not all(isinstance(m, Int4Linear) and m.draftwise_kernel and m.bias is None for m in lins):
+        return None
+    if len({m.use_amx for m in lins}) != 1 or attn.head_dim % 2:
+        return None
+    packed = [(m.kernel_nibbles, m.kernel_sm) for m in lins]
+    return FusedLayerWeights(*packed, lins[0].use_amx, all(m.draftwise_large for m in lins))
+
+
+def enable_fused_layers(model) -> int:
+    """Give every fusable decoder layer of a Llama-family model its FusedLayerWeights (all or none,
+    so a step runs one path); returns the number of fused layers."""
+    from draftwise.kernels import load
+    if load() is None:
+        return 0
+    weights = [fusable(layer) for layer in model.layers]
+    if not weights or any(w is None for w in weights):
+        return 0
+    for layer, w in zip(model.layers, weights):
+        layer.fused = w
+    return len(weights)
+
+
+def fused_rope_rows(model, positions: torch.Tensor, x: torch.Tensor, meta):
+    """(cos, sin) rows [T, D] for the step when its layers run fused, else None: eager steps on the
+    CPU, and more than MAX_KERNEL_ROWS rows only where the kernel serves those too (the same rule
+    as the int4 linears, so a row count always selects the same arithmetic)."""
+    from draftwise.layers.quant import MAX_KERNEL_ROWS
+    w = getattr(model.layers[0], "fused", None) if len(model.layers) else None
+    if w is None or meta is None or x.device.type != "cpu" or x.dtype != torch.float32:
+        return None
+    if x.shape[0] > MAX_KERNEL_ROWS and not w.any_rows:
+        return None
+    return model.rotary.cos[positions].contiguous(), model.rotary.sin[positions].contiguous()
+
+
+def fused_layer_forward(layer, x: torch.Tensor, rope_rows, meta, kv_cache) -> torch.Tensor:
+    from draftwise.kernels import load
+    from draftwise.layers.attention import attend
+    mod, w, attn = load(), layer.fused, layer.self_attn
+    T, D = x.shape[0], attn.head_dim
+    cos, sin = rope_rows
+    q, k, v = mod.attn_in(x.contiguous(), layer.input_layernorm.weight, layer.input_layernorm.eps, *w.qkv,
+                          w.use_amx, cos, sin, attn.num_heads, attn.num_kv_heads, D)
+    o = attend(q.view(T, attn.num_heads, D), k.view(T, attn.num_kv_heads, D), v.view(T, attn.num_kv_heads, D),
+               attn.layer_idx, attn.scale, meta, kv_cache)
+    return mod.attn_out_mlp(x, o.reshape(T, attn.q_size).contiguous(), *w.o, layer.post_attention_layernorm.weight,
+                            layer.post_attention_layernorm.eps, *w.gate_up, *w.down, w.use_amx)
