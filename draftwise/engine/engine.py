@@ -6,6 +6,7 @@ import dataclasses
 import itertools
 import logging
 import math
+import threading
 import time
 
 import torch
@@ -41,8 +42,11 @@ def resolve_kv_cache_dtype(config: EngineConfig) -> EngineConfig:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig):
-        config = resolve_kv_cache_dtype(config)
         self.config = config
+        if config.quantization is not None and torch.device(config.device).type == "cpu":
+            # the CPU kernels build (first run only, a compiler subprocess) while the weights load
+            from draftwise.kernels import load as load_kernels
+            threading.Thread(target=load_kernels, name="draftwise-kernel-build", daemon=True).start()
         torch.manual_seed(config.seed)
         self.tp = self._start_tensor_parallel() if config.tensor_parallel_size > 1 else None
         self.model, self.model_cfg, self.model_path = load_target_model(
@@ -70,6 +74,7 @@ class LLMEngine:
                                            self.model_path)
             self.num_spec_tokens = self.spec_config.num_speculative_tokens
         self._prepare_linears()
+        self.config = config = resolve_kv_cache_dtype(config)     # before the KV pool is sized
         lookahead = self.proposer.num_lookahead_tokens if self.proposer else 0
         num_blocks = config.num_kv_blocks or self._kv_blocks_for_budget(lookahead)
         self.runner = ModelRunner(config, self.model, self.model_cfg, self.proposer, num_blocks)

@@ -16,7 +16,10 @@
 //   nibbles: uint8 [N/16, K/2, 16], byte j of pair p = code[n0+j][2p] | code[n0+j][2p+1] << 4
 //   sm:      fp16 [N/16, K/32, 2, 16]: the group's 16 scales, then its 16 minimums (GGUF Q4_1 stores
 //            both in fp16: exact); the kernel forms minimum - 128 * scale in fp32
-#include <torch/extension.h>
+// ATen and the Python bindings only (not torch/extension.h, which pulls in all of libtorch's C++ API
+// and makes the first-run build ~40 % slower)
+#include <ATen/ATen.h>
+#include <torch/python.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <sys/syscall.h>
@@ -274,7 +277,7 @@ torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& q8, const
   const int blocks = q8.size(0), N = blocks * NB;
   TORCH_CHECK(q8.size(1) * 2 == K && K % GROUP == 0, "K mismatch");
   TORCH_CHECK(scale.scalar_type() == torch::kFloat && scale.numel() == N, "scale: float [N]");
-  auto y = torch::empty({M, N}, x.options().dtype(torch::kFloat));
+  auto y = at::empty({M, N}, x.options().dtype(torch::kFloat));
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
   const int8_t* qp = q8.data_ptr<int8_t>();
   const float* sp = scale.data_ptr<float>();
@@ -312,7 +315,7 @@ torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& nibbles, 
   TORCH_CHECK(nibbles.size(1) * 2 == K && K % GROUP == 0, "K mismatch");
   TORCH_CHECK(sm.scalar_type() == torch::kHalf && sm.is_contiguous(), "sm: contiguous fp16");
   const int G = K / GROUP;
-  auto y = torch::empty({M, N}, x.options().dtype(torch::kFloat));
+  auto y = at::empty({M, N}, x.options().dtype(torch::kFloat));
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
   // per row and group: the sum of the inputs (the minimums' share), from the same bf16 values, in a
   // fixed order (a row's sums do not depend on the other rows)
@@ -565,14 +568,14 @@ std::vector<torch::Tensor> attn_in(const torch::Tensor& x, const torch::Tensor& 
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous(), "x: contiguous fp32 [M, H]");
   TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.size(1) == D, "cos / sin: contiguous [M, D]");
   const int M = x.size(0), H = x.size(1);
-  auto h = torch::empty({M, H}, x.options().dtype(torch::kBFloat16));
+  auto h = at::empty({M, H}, x.options().dtype(torch::kBFloat16));
   rms_norm_rows_bf16(x.data_ptr<float>(), norm_w.data_ptr<float>(), M, H, static_cast<float>(eps),
                      reinterpret_cast<uint16_t*>(h.data_ptr<at::BFloat16>()));
   auto qkv = int4_linear(h, nibbles, sm, use_amx);                  // [M, (nq + 2 nkv) D]
   const int64_t W = (nq + 2 * nkv) * D;
   TORCH_CHECK(qkv.size(1) == W, "qkv width");
-  auto q = torch::empty({M, nq * D}, x.options()), k = torch::empty({M, nkv * D}, x.options()),
-       v = torch::empty({M, nkv * D}, x.options());
+  auto q = at::empty({M, nq * D}, x.options()), k = at::empty({M, nkv * D}, x.options()),
+       v = at::empty({M, nkv * D}, x.options());
   const float* src = qkv.data_ptr<float>();
   float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
   for (int r = 0; r < M; ++r) {
@@ -596,7 +599,7 @@ torch::Tensor attn_out_mlp(const torch::Tensor& x, const torch::Tensor& attn, co
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous(), "x: contiguous fp32 [M, H]");
   TORCH_CHECK(attn.scalar_type() == torch::kFloat && attn.is_contiguous(), "attn: contiguous fp32");
   const int M = x.size(0), H = x.size(1);
-  auto a16 = torch::empty({M, attn.size(1)}, x.options().dtype(torch::kBFloat16));
+  auto a16 = at::empty({M, attn.size(1)}, x.options().dtype(torch::kBFloat16));
   {
     const float* ap = attn.data_ptr<float>();
     uint16_t* o = reinterpret_cast<uint16_t*>(a16.data_ptr<at::BFloat16>());
@@ -606,12 +609,12 @@ torch::Tensor attn_out_mlp(const torch::Tensor& x, const torch::Tensor& attn, co
   float* x1p = x1.data_ptr<float>();
   const float* xp = x.data_ptr<float>();
   for (int64_t i = 0, n = x.numel(); i < n; ++i) x1p[i] = xp[i] + x1p[i];
-  auto h = torch::empty({M, H}, x.options().dtype(torch::kBFloat16));
+  auto h = at::empty({M, H}, x.options().dtype(torch::kBFloat16));
   rms_norm_rows_bf16(x1p, norm_w.data_ptr<float>(), M, H, static_cast<float>(eps),
                      reinterpret_cast<uint16_t*>(h.data_ptr<at::BFloat16>()));
   auto gu = int4_linear(h, gu_nib, gu_sm, use_amx);                 // [M, 2 I]
   const int I = gu.size(1) / 2;
-  auto act = torch::empty({M, I}, x.options().dtype(torch::kBFloat16));
+  auto act = at::empty({M, I}, x.options().dtype(torch::kBFloat16));
   const float* gp = gu.data_ptr<float>();
   uint16_t* ap = reinterpret_cast<uint16_t*>(act.data_ptr<at::BFloat16>());
   for (int r = 0; r < M; ++r) silu_mul_row(gp + static_cast<int64_t>(r) * 2 * I, I, ap + static_cast<int64_t>(r) * I);
