@@ -559,12 +559,36 @@ inline void rope_row(float* x, int nh, int D, const float* cos, const float* sin
 
 }  // namespace
 
-// The attention block's input side: h = RMSNorm(x) -> bf16 -> q|k|v = int4 linear -> RoPE on q and k.
-// x [M, H] fp32; cos / sin [M, D] (the rows' positions); returns q [M, nq*D], k, v [M, nkv*D], fp32.
-std::vector<torch::Tensor> attn_in(const torch::Tensor& x, const torch::Tensor& norm_w, double eps,
-                                   const torch::Tensor& nibbles, const torch::Tensor& sm, bool use_amx,
-                                   const torch::Tensor& cos, const torch::Tensor& sin, int64_t nq, int64_t nkv,
-                                   int64_t D) {
+// K or V rows (fp32, [M, nkv*D]) into their cache slots, converted to the cache dtype (round to
+// nearest even: what a tensor .to(dtype) copy gives)
+void write_cache_rows(const float* src, int M, int64_t width, const int64_t* slots, torch::Tensor& cache) {
+  const auto dt = cache.scalar_type();
+  for (int r = 0; r < M; ++r) {
+    const float* row = src + r * width;
+    const int64_t off = slots[r] * width;
+    if (dt == torch::kFloat) {
+      std::memcpy(cache.data_ptr<float>() + off, row, sizeof(float) * width);
+    } else if (dt == torch::kBFloat16) {
+      uint16_t* o = reinterpret_cast<uint16_t*>(cache.data_ptr<at::BFloat16>()) + off;
+      for (int64_t i = 0; i < width; ++i) o[i] = to_bf16(row[i]);
+    } else {
+      at::Half* o = cache.data_ptr<at::Half>() + off;
+      for (int64_t i = 0; i < width; ++i) o[i] = static_cast<at::Half>(row[i]);
+    }
+  }
+}
+
+// The attention block's input side: h = RMSNorm(x) -> bf16 -> q|k|v = int4 linear -> RoPE on q and k,
+// then k and v written to their cache slots. x [M, H] fp32; cos / sin [M, D] (the rows' positions);
+// slots [M] int64; caches [S, nkv, D] (fp32 / bf16 / fp16). Returns q [M, nq*D] fp32.
+torch::Tensor attn_in(const torch::Tensor& x, const torch::Tensor& norm_w, double eps,
+                      const torch::Tensor& nibbles, const torch::Tensor& sm, bool use_amx,
+                      const torch::Tensor& cos, const torch::Tensor& sin, int64_t nq, int64_t nkv, int64_t D,
+                      const torch::Tensor& slots, torch::Tensor k_cache, torch::Tensor v_cache) {
+  TORCH_CHECK(slots.scalar_type() == torch::kLong && slots.is_contiguous() && slots.size(0) == x.size(0),
+              "slots: contiguous int64 [M]");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.size(1) * k_cache.size(2) == nkv * D &&
+              k_cache.scalar_type() == v_cache.scalar_type(), "caches: contiguous [S, nkv, D], one dtype");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous(), "x: contiguous fp32 [M, H]");
   TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.size(1) == D, "cos / sin: contiguous [M, D]");
   const int M = x.size(0), H = x.size(1);
@@ -574,21 +598,23 @@ std::vector<torch::Tensor> attn_in(const torch::Tensor& x, const torch::Tensor& 
   auto qkv = int4_linear(h, nibbles, sm, use_amx);                  // [M, (nq + 2 nkv) D]
   const int64_t W = (nq + 2 * nkv) * D;
   TORCH_CHECK(qkv.size(1) == W, "qkv width");
-  auto q = at::empty({M, nq * D}, x.options()), k = at::empty({M, nkv * D}, x.options()),
-       v = at::empty({M, nkv * D}, x.options());
+  auto q = at::empty({M, nq * D}, x.options());
+  std::vector<float> k(static_cast<size_t>(M) * nkv * D), v(static_cast<size_t>(M) * nkv * D);
   const float* src = qkv.data_ptr<float>();
-  float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
+  float* qp = q.data_ptr<float>();
   for (int r = 0; r < M; ++r) {
     const float* row = src + r * W;
     std::memcpy(qp + r * nq * D, row, sizeof(float) * nq * D);
-    std::memcpy(kp + r * nkv * D, row + nq * D, sizeof(float) * nkv * D);
-    std::memcpy(vp + r * nkv * D, row + (nq + nkv) * D, sizeof(float) * nkv * D);
+    std::memcpy(k.data() + r * nkv * D, row + nq * D, sizeof(float) * nkv * D);
+    std::memcpy(v.data() + r * nkv * D, row + (nq + nkv) * D, sizeof(float) * nkv * D);
     const float* c = cos.data_ptr<float>() + r * D;
     const float* s = sin.data_ptr<float>() + r * D;
     rope_row(qp + r * nq * D, nq, D, c, s);
-    rope_row(kp + r * nkv * D, nkv, D, c, s);
+    rope_row(k.data() + r * nkv * D, nkv, D, c, s);
   }
-  return {q, k, v};
+  write_cache_rows(k.data(), M, nkv * D, slots.data_ptr<int64_t>(), k_cache);
+  write_cache_rows(v.data(), M, nkv * D, slots.data_ptr<int64_t>(), v_cache);
+  return q;
 }
 
 // The rest of the layer: x1 = x + o_proj(attn); h = RMSNorm(x1); x2 = x1 + down(silu(gate) * up).
@@ -631,7 +657,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_linear", &int4_linear, "weight-stationary int4 (group 32) linear, bf16 x, fp32 out");
   m.def("int8_linear", &int8_linear, "weight-stationary int8 (per output channel) linear, bf16 x, fp32 out");
   m.def("attend_rows", &attend_rows, "row-invariant attention: every row alone over its own keys");
-  m.def("attn_in", &attn_in, "RMSNorm -> int4 qkv -> RoPE, per row");
+  m.def("attn_in", &attn_in, "RMSNorm -> int4 qkv -> RoPE -> K/V into the cache, per row; returns q");
   m.def("attn_out_mlp", &attn_out_mlp, "o_proj + residual -> RMSNorm -> int4 gate/up -> SiLU*up -> int4 down + residual");
   m.def("cpu_supports_avx512_bf16", &cpu_supports_avx512_bf16);
   m.def("amx_available", &amx_available);

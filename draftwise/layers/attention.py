@@ -224,6 +224,13 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """q: [T, H, D]; k, v: [T, Hkv, D]; caches: [num_slots, Hkv, D]. Returns [T, H, D]."""
     k_cache.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
     v_cache.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
+    return attend_cached(q, k_cache, v_cache, meta, scale)
+
+
+def attend_cached(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                  scale: float) -> torch.Tensor:
+    """Attention of q over the caches, the step's own K/V already written (paged_attention after
+    its write; the fused int4 layer writes K/V itself)."""
     if len(meta.groups) == 1 and not meta.row_plan:
         return _attend_group(q, k_cache, v_cache, meta.groups[0], scale)
     out = torch.empty_like(q)

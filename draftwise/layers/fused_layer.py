@@ -5,8 +5,8 @@ int4 linear, RoPE in seven per tensor, SiLU-and-mul, residual adds); on a 135M-p
 one token per step their dispatch costs about as much as the int4 matmuls themselves. Where every
 linear of a layer runs on draftwise's int4 kernel, the layer runs as
 
-    q, k, v = attn_in(x)                       RMSNorm -> bf16 -> qkv (int4) -> RoPE
-    o = attend(q, k, v)                        the paged attention of the eager path
+    q = attn_in(x)                             RMSNorm -> bf16 -> qkv (int4) -> RoPE, K/V into the cache
+    o = attend_cached(q)                       the paged attention of the eager path
     x = attn_out_mlp(x, o)                     o_proj + residual -> RMSNorm -> gate/up -> SiLU * up
                                                -> down + residual
 
@@ -75,13 +75,13 @@ def fused_rope_rows(model, positions: torch.Tensor, x: torch.Tensor, meta):
 
 def fused_layer_forward(layer, x: torch.Tensor, rope_rows, meta, kv_cache) -> torch.Tensor:
     from draftwise.kernels import load
-    from draftwise.layers.attention import attend
+    from draftwise.layers.attention import attend_cached
     mod, w, attn = load(), layer.fused, layer.self_attn
     T, D = x.shape[0], attn.head_dim
     cos, sin = rope_rows
-    q, k, v = mod.attn_in(x.contiguous(), layer.input_layernorm.weight, layer.input_layernorm.eps, *w.qkv,
-                          w.use_amx, cos, sin, attn.num_heads, attn.num_kv_heads, D)
-    o = attend(q.view(T, attn.num_heads, D), k.view(T, attn.num_kv_heads, D), v.view(T, attn.num_kv_heads, D),
-               attn.layer_idx, attn.scale, meta, kv_cache)
+    k_cache, v_cache = kv_cache.layer(attn.layer_idx)
+    q = mod.attn_in(x.contiguous(), layer.input_layernorm.weight, layer.input_layernorm.eps, *w.qkv, w.use_amx,
+                    cos, sin, attn.num_heads, attn.num_kv_heads, D, meta.slot_mapping, k_cache, v_cache)
+    o = attend_cached(q.view(T, attn.num_heads, D), k_cache, v_cache, meta, attn.scale)
     return mod.attn_out_mlp(x, o.reshape(T, attn.q_size).contiguous(), *w.o, layer.post_attention_layernorm.weight,
                             layer.post_attention_layernorm.eps, *w.gate_up, *w.down, w.use_amx)

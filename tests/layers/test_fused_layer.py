@@ -12,9 +12,10 @@ GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 PROMPTS = [{"prompt_token_ids": p} for p in ([5, 6, 7, 8, 9, 10, 11], [3] * 20, list(range(30, 70)), [7, 7, 7])]
 
 
-def _int4(path, monkeypatch):
+def _int4(path, monkeypatch, kv="auto"):
     monkeypatch.setenv("DRAFTWISE_INT4_KERNEL", "draftwise")
-    return LLM(path, block_size=4, max_model_len=256, quantization="int4", speculative_config=None)
+    return LLM(path, block_size=4, max_model_len=256, quantization="int4", speculative_config=None,
+               kv_cache_dtype=kv)
 
 
 def _step(model, runner, n, ctx):
@@ -71,13 +72,22 @@ def test_fused_rows_do_not_depend_on_their_neighbours(tiny_llama, monkeypatch):
 
 
 @needs_kernel
-def test_speculation_on_fused_layers_is_lossless(tiny_llama, monkeypatch):
+@pytest.mark.parametrize("kv", ["float32", "bfloat16", "float16"])
+def test_speculation_on_fused_layers_is_lossless(tiny_llama, monkeypatch, kv):
+    """The fused layer writes K/V into the cache itself, in the cache's dtype."""
     path, _ = tiny_llama
-    plain = _int4(path, monkeypatch)
+    plain = _int4(path, monkeypatch, kv)
     assert plain.engine.model.layers[0].fused is not None
+    assert plain.engine.runner.kv_cache.layer(0)[0].dtype == getattr(torch, kv)
     ref = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, GREEDY)]
+    unfused = _int4(path, monkeypatch, kv)
+    for layer in unfused.engine.model.layers:
+        layer.fused = None
+    # the same tokens as the eager layers (whose values agree to the last few fp32 bits)
+    assert [o.outputs[0].token_ids for o in unfused.generate(PROMPTS, GREEDY)] == ref
     for spec in ({"method": "ngram", "num_speculative_tokens": 3},
                  {"method": "suffix", "num_speculative_tokens": 8, "draft_tree": True}):
-        llm = LLM(path, block_size=4, max_model_len=256, quantization="int4", speculative_config=spec)
+        llm = LLM(path, block_size=4, max_model_len=256, quantization="int4", speculative_config=spec,
+                  kv_cache_dtype=kv)
         assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)] == ref
         assert llm.get_metrics()["spec_decode"]["num_drafts"] > 0
