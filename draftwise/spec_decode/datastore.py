@@ -23,6 +23,7 @@ import os
 import numpy as np
 
 SEPARATOR = -1           # between answers: never matches a token
+U16_SEPARATOR = 0xFFFF   # the separator in a uint16 tokens.npy (vocabularies under 65,535 tokens)
 SORT_DEPTH = 32          # backward-key tokens the positions are sorted by (>= the match depths used)
 MAX_OCCURRENCES = 256    # occurrences of a matched suffix sampled (evenly over its range) per draft
 
@@ -72,12 +73,30 @@ class Datastore:
         tokens_path = os.path.join(path, "tokens.npy") if os.path.isdir(path) else path
         if not os.path.exists(tokens_path):
             raise ValueError(f"suffix-decoding datastore {path!r} has no tokens.npy")
-        tokens = np.load(tokens_path).astype(np.int32)
-        if tokens.dtype != np.int32 or tokens.ndim != 1:
-            raise ValueError(f"{tokens_path}: expected a 1-D array of token ids")
+        raw = np.load(tokens_path)
+        if raw.ndim != 1 or raw.dtype not in (np.int32, np.uint16):
+            raise ValueError(f"{tokens_path}: expected a 1-D int32 or uint16 array of token ids")
+        tokens = raw.astype(np.int32)
+        if raw.dtype == np.uint16:
+            tokens[raw == U16_SEPARATOR] = SEPARATOR
         index_path = os.path.join(os.path.dirname(tokens_path), "index.npy")
-        order = np.load(index_path) if os.path.exists(index_path) else None
-        return cls(tokens, order)
+        if os.path.exists(index_path):
+            return cls(tokens, np.load(index_path))
+        # no index beside the tokens (a shipped datastore keeps the repository small): built once
+        # and cached under the draftwise cache directory, keyed by the tokens' hash
+        import hashlib
+        from draftwise.config import cache_dir
+        key = hashlib.sha256(tokens.tobytes()).hexdigest()[:16]
+        cached = os.path.join(cache_dir(), "datastore-index", f"{key}-{SORT_DEPTH}.npy")
+        if os.path.exists(cached):
+            order = np.load(cached)
+            if len(order) == len(tokens):
+                return cls(tokens, order)
+        ds = cls(tokens)
+        os.makedirs(os.path.dirname(cached), exist_ok=True)
+        np.save(cached + ".tmp.npy", ds.order)
+        os.replace(cached + ".tmp.npy", cached)
+        return ds
 
     def _key_at(self, rows: np.ndarray | int, d: int):
         p = self.order[rows] - d
@@ -122,9 +141,10 @@ class Datastore:
         return lo
 
 
-def pack_answers(answers_jsonl: str, out: str) -> dict:
-    """answers.jsonl ({"i", "tokens"} per line) -> tokens.npy (answers joined by SEPARATOR) and
-    index.npy (the backward suffix array) beside it."""
+def pack_answers(answers_jsonl: str, out: str, save_index: bool = True) -> dict:
+    """answers.jsonl ({"i", "tokens"} per line) -> tokens.npy (answers joined by a separator; uint16
+    where every id fits, else int32) and index.npy (the backward suffix array) beside it, unless
+    `save_index` is False (it is rebuilt at load: a fraction of a second per million tokens)."""
     seqs = []
     with open(answers_jsonl, encoding="utf-8") as f:
         for line in f:
@@ -135,6 +155,13 @@ def pack_answers(answers_jsonl: str, out: str) -> dict:
             if rec.get("tokens"):
                 seqs.append(rec["tokens"])
     flat = np.fromiter((t for s in seqs for t in list(s) + [SEPARATOR]), dtype=np.int32)
-    np.save(out, flat)
-    np.save(os.path.join(os.path.dirname(out), "index.npy"), backward_suffix_array(flat))
+    if len(flat) and int(flat.max()) < U16_SEPARATOR:
+        np.save(out, np.where(flat == SEPARATOR, U16_SEPARATOR, flat).astype(np.uint16))
+    else:
+        np.save(out, flat)
+    index = os.path.join(os.path.dirname(out), "index.npy")
+    if save_index:
+        np.save(index, backward_suffix_array(flat))
+    elif os.path.exists(index):
+        os.unlink(index)
     return {"datastore_tokens": int(len(flat)), "datastore_answers": len(seqs), "datastore": out}
