@@ -28,9 +28,12 @@ FORMATS = {"fp32": dict(quantization=None, dtype="float32"), "bf16": dict(quanti
            "int4-draftwise": dict(quantization="int4", dtype="float32", int4_kernel="draftwise")}
 LINEAR_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::_weight_int4pack_mm_for_cpu", "aten::_weight_int8pack_mm",
               "mkldnn::_linear_pointwise", "aten::linear", "aten::matmul", "draftwise::int4_linear",
-              "draftwise::int8_linear")
+              "draftwise::int8_linear",
+              # the fused int4 layer's two calls: its linears, with the norms, RoPE, SiLU and K/V writes
+              # around them (a few percent of the calls)
+              "draftwise::attn_in", "draftwise::attn_out_mlp")
 ATTENTION_OPS = ("scaled_dot_product", "aten::index_select", "aten::index_copy", "aten::_efficient_attention",
-                 "aten::_flash_attention")
+                 "aten::_flash_attention", "draftwise::attend_rows")
 
 
 def machine_line() -> str:

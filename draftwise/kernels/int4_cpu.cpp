@@ -34,6 +34,16 @@
 
 namespace {
 
+// rows [0, M) in parallel chunks of at least ROW_GRAIN rows (fewer run on the calling thread); each
+// row's arithmetic is the same whichever thread does it
+constexpr int64_t ROW_GRAIN = 8;
+template <typename F>
+void for_rows(int64_t M, const F& f) {
+  at::parallel_for(0, M, ROW_GRAIN, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) f(r);
+  });
+}
+
 constexpr int NB = 16;   // output columns per block
 constexpr int GROUP = 32;
 constexpr int PAIRS = GROUP / 2;
@@ -320,7 +330,7 @@ torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& nibbles, 
   // per row and group: the sum of the inputs (the minimums' share), from the same bf16 values, in a
   // fixed order (a row's sums do not depend on the other rows)
   std::vector<float> xs_mem(static_cast<size_t>(M) * G);
-  for (int r = 0; r < M; ++r)
+  for_rows(M, [&](int64_t r) {
     for (int g = 0; g < G; ++g) {
       float acc = 0.f;
       for (int k = 0; k < GROUP; ++k) {
@@ -331,6 +341,7 @@ torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& nibbles, 
       }
       xs_mem[static_cast<size_t>(r) * G + g] = acc;
     }
+  });
   const float* xsp = xs_mem.data();
   const uint8_t* pk = nibbles.data_ptr<uint8_t>();
   const uint16_t* smp = reinterpret_cast<const uint16_t*>(sm.data_ptr<at::Half>());
@@ -508,9 +519,26 @@ inline uint16_t to_bf16(float f) {
   return static_cast<uint16_t>(u >> 16);
 }
 
+// n fp32 values -> bf16, round to nearest even, 16 at a time (the same results as to_bf16)
+AVX512BF16 void to_bf16_n(const float* src, uint16_t* dst, int64_t n) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m256bh h = _mm512_cvtneps_pbh(_mm512_loadu_ps(src + i));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), reinterpret_cast<const __m256i&>(h));
+  }
+  for (; i < n; ++i) dst[i] = to_bf16(src[i]);
+}
+
+
 // out[r] = bf16(w * (x[r] / rms(x[r])))
-AVX512F void rms_norm_rows_bf16(const float* x, const float* w, int M, int H, float eps, uint16_t* out) {
-  for (int r = 0; r < M; ++r) {
+AVX512F void rms_norm_row_bf16(const float* x, const float* w, int r, int H, float eps, uint16_t* out);
+
+void rms_norm_rows_bf16(const float* x, const float* w, int M, int H, float eps, uint16_t* out) {
+  for_rows(M, [&](int64_t r) { rms_norm_row_bf16(x, w, static_cast<int>(r), H, eps, out); });
+}
+
+AVX512F void rms_norm_row_bf16(const float* x, const float* w, int r, int H, float eps, uint16_t* out) {
+  {
     const float* xr = x + static_cast<int64_t>(r) * H;
     __m512 acc = _mm512_setzero_ps();
     int i = 0;
@@ -522,7 +550,14 @@ AVX512F void rms_norm_rows_bf16(const float* x, const float* w, int M, int H, fl
     for (; i < H; ++i) ss += xr[i] * xr[i];
     const float inv = 1.0f / std::sqrt(ss / static_cast<float>(H) + eps);
     uint16_t* o = out + static_cast<int64_t>(r) * H;
-    for (int j = 0; j < H; ++j) o[j] = to_bf16(w[j] * (xr[j] * inv));
+    alignas(64) float tmp[16];
+    int j = 0;
+    for (; j + 16 <= H; j += 16) {
+      _mm512_store_ps(tmp, _mm512_mul_ps(_mm512_loadu_ps(w + j), _mm512_mul_ps(_mm512_loadu_ps(xr + j),
+                                                                                _mm512_set1_ps(inv))));
+      to_bf16_n(tmp, o + j, 16);
+    }
+    for (; j < H; ++j) o[j] = to_bf16(w[j] * (xr[j] * inv));
   }
 }
 
@@ -537,7 +572,7 @@ AVX512F void silu_mul_row(const float* gu, int I, uint16_t* out) {
     const __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), gv));
     const __m512 sv = _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
     _mm512_store_ps(tmp, _mm512_mul_ps(sv, _mm512_loadu_ps(u + i)));
-    for (int j = 0; j < 16; ++j) out[i + j] = to_bf16(tmp[j]);
+    to_bf16_n(tmp, out + i, 16);
   }
   for (; i < I; ++i) out[i] = to_bf16(g[i] / (1.0f + std::exp(-g[i])) * u[i]);
 }
@@ -563,19 +598,18 @@ inline void rope_row(float* x, int nh, int D, const float* cos, const float* sin
 // nearest even: what a tensor .to(dtype) copy gives)
 void write_cache_rows(const float* src, int M, int64_t width, const int64_t* slots, torch::Tensor& cache) {
   const auto dt = cache.scalar_type();
-  for (int r = 0; r < M; ++r) {
+  for_rows(M, [&](int64_t r) {
     const float* row = src + r * width;
     const int64_t off = slots[r] * width;
     if (dt == torch::kFloat) {
       std::memcpy(cache.data_ptr<float>() + off, row, sizeof(float) * width);
     } else if (dt == torch::kBFloat16) {
-      uint16_t* o = reinterpret_cast<uint16_t*>(cache.data_ptr<at::BFloat16>()) + off;
-      for (int64_t i = 0; i < width; ++i) o[i] = to_bf16(row[i]);
+      to_bf16_n(row, reinterpret_cast<uint16_t*>(cache.data_ptr<at::BFloat16>()) + off, width);
     } else {
       at::Half* o = cache.data_ptr<at::Half>() + off;
       for (int64_t i = 0; i < width; ++i) o[i] = static_cast<at::Half>(row[i]);
     }
-  }
+  });
 }
 
 // The attention block's input side: h = RMSNorm(x) -> bf16 -> q|k|v = int4 linear -> RoPE on q and k,
@@ -602,7 +636,7 @@ torch::Tensor attn_in(const torch::Tensor& x, const torch::Tensor& norm_w, doubl
   std::vector<float> k(static_cast<size_t>(M) * nkv * D), v(static_cast<size_t>(M) * nkv * D);
   const float* src = qkv.data_ptr<float>();
   float* qp = q.data_ptr<float>();
-  for (int r = 0; r < M; ++r) {
+  for_rows(M, [&](int64_t r) {
     const float* row = src + r * W;
     std::memcpy(qp + r * nq * D, row, sizeof(float) * nq * D);
     std::memcpy(k.data() + r * nkv * D, row + nq * D, sizeof(float) * nkv * D);
@@ -611,7 +645,7 @@ torch::Tensor attn_in(const torch::Tensor& x, const torch::Tensor& norm_w, doubl
     const float* s = sin.data_ptr<float>() + r * D;
     rope_row(qp + r * nq * D, nq, D, c, s);
     rope_row(k.data() + r * nkv * D, nkv, D, c, s);
-  }
+  });
   write_cache_rows(k.data(), M, nkv * D, slots.data_ptr<int64_t>(), k_cache);
   write_cache_rows(v.data(), M, nkv * D, slots.data_ptr<int64_t>(), v_cache);
   return q;
@@ -629,12 +663,15 @@ torch::Tensor attn_out_mlp(const torch::Tensor& x, const torch::Tensor& attn, co
   {
     const float* ap = attn.data_ptr<float>();
     uint16_t* o = reinterpret_cast<uint16_t*>(a16.data_ptr<at::BFloat16>());
-    for (int64_t i = 0, n = attn.numel(); i < n; ++i) o[i] = to_bf16(ap[i]);
+    const int64_t w = attn.size(1);
+    for_rows(M, [&](int64_t r) { to_bf16_n(ap + r * w, o + r * w, w); });
   }
   auto x1 = int4_linear(a16, o_nib, o_sm, use_amx);                 // o_proj(attn), then + x
   float* x1p = x1.data_ptr<float>();
   const float* xp = x.data_ptr<float>();
-  for (int64_t i = 0, n = x.numel(); i < n; ++i) x1p[i] = xp[i] + x1p[i];
+  for_rows(M, [&](int64_t r) {
+    for (int64_t i = r * H, e = (r + 1) * H; i < e; ++i) x1p[i] = xp[i] + x1p[i];
+  });
   auto h = at::empty({M, H}, x.options().dtype(torch::kBFloat16));
   rms_norm_rows_bf16(x1p, norm_w.data_ptr<float>(), M, H, static_cast<float>(eps),
                      reinterpret_cast<uint16_t*>(h.data_ptr<at::BFloat16>()));
@@ -643,10 +680,12 @@ torch::Tensor attn_out_mlp(const torch::Tensor& x, const torch::Tensor& attn, co
   auto act = at::empty({M, I}, x.options().dtype(torch::kBFloat16));
   const float* gp = gu.data_ptr<float>();
   uint16_t* ap = reinterpret_cast<uint16_t*>(act.data_ptr<at::BFloat16>());
-  for (int r = 0; r < M; ++r) silu_mul_row(gp + static_cast<int64_t>(r) * 2 * I, I, ap + static_cast<int64_t>(r) * I);
+  for_rows(M, [&](int64_t r) { silu_mul_row(gp + r * 2 * I, I, ap + r * I); });
   auto y = int4_linear(act, down_nib, down_sm, use_amx);
   float* yp = y.data_ptr<float>();
-  for (int64_t i = 0, n = y.numel(); i < n; ++i) yp[i] = x1p[i] + yp[i];
+  for_rows(M, [&](int64_t r) {
+    for (int64_t i = r * H, e = (r + 1) * H; i < e; ++i) yp[i] = x1p[i] + yp[i];
+  });
   return y;
 }
 

@@ -16,6 +16,7 @@ step: speculation stays bit-exact with plain decoding. The RoPE cos / sin rows o
 up once for all layers. Qwen3's q/k norms and attention biases keep the eager path."""
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -80,8 +81,19 @@ def fused_layer_forward(layer, x: torch.Tensor, rope_rows, meta, kv_cache) -> to
     T, D = x.shape[0], attn.head_dim
     cos, sin = rope_rows
     k_cache, v_cache = kv_cache.layer(attn.layer_idx)
-    q = mod.attn_in(x.contiguous(), layer.input_layernorm.weight, layer.input_layernorm.eps, *w.qkv, w.use_amx,
-                    cos, sin, attn.num_heads, attn.num_kv_heads, D, meta.slot_mapping, k_cache, v_cache)
+    with _label("draftwise::attn_in"):
+        q = mod.attn_in(x.contiguous(), layer.input_layernorm.weight, layer.input_layernorm.eps, *w.qkv, w.use_amx,
+                        cos, sin, attn.num_heads, attn.num_kv_heads, D, meta.slot_mapping, k_cache, v_cache)
     o = attend_cached(q.view(T, attn.num_heads, D), k_cache, v_cache, meta, attn.scale)
-    return mod.attn_out_mlp(x, o.reshape(T, attn.q_size).contiguous(), *w.o, layer.post_attention_layernorm.weight,
-                            layer.post_attention_layernorm.eps, *w.gate_up, *w.down, w.use_amx)
+    with _label("draftwise::attn_out_mlp"):
+        return mod.attn_out_mlp(x, o.reshape(T, attn.q_size).contiguous(), *w.o,
+                                layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps,
+                                *w.gate_up, *w.down, w.use_amx)
+
+
+def _label(name: str):
+    """A profiler label for a C++ call (`draftwise bench step-cost` splits a step by them); free
+    when no profiler runs."""
+    if torch.autograd.profiler._is_profiler_enabled:
+        return torch.profiler.record_function(name)
+    return contextlib.nullcontext()

@@ -66,6 +66,11 @@ def test_suffix_cache_drafts_from_the_datastore(tmp_path):
     info = pack_answers(str(answers), str(tmp_path / "tokens.npy"))
     assert info["datastore_tokens"] == 12 and (tmp_path / "index.npy").exists()
     ds = Datastore.load(str(tmp_path))
+    assert np.load(tmp_path / "tokens.npy").dtype == np.uint16 and ds.buf.tolist() == [
+        5, 6, 7, 8, 9, SEPARATOR, 1, 6, 7, 8, 4, SEPARATOR]
+    pack_answers(str(answers), str(tmp_path / "tokens.npy"), save_index=False)     # rebuilt at load
+    assert not (tmp_path / "index.npy").exists()
+    assert np.array_equal(Datastore.load(str(tmp_path)).order, ds.order)
     c = SuffixCache(max_tree_depth=8, max_cached_requests=0, max_spec_factor=2.0, datastore=ds)
     d = c.speculate("r", [30, 5, 6, 7], 8)                 # never seen by this cache: the datastore's
     assert d.token_ids == [8, 9] and d.probs == [1.0, 1.0]
