@@ -79,6 +79,7 @@ def _split(runner, inputs, lm_head_rows: torch.Tensor) -> dict[str, float]:
 def measure_format(fmt: str, model: str, threads: list[int], rows: list[int], contexts: list[int],
                    compiled: bool, repeats: int) -> list[dict]:
     from draftwise import LLM
+    from draftwise.kernels import row_argmax
     from draftwise.sample.rejection_sampler import greedy_rejection_sample
     kw = dict(FORMATS[fmt])
     kernel = kw.pop("int4_kernel", None)
@@ -113,7 +114,7 @@ def measure_format(fmt: str, model: str, threads: list[int], rows: list[int], co
                     t1 = time.perf_counter()
                     logits = runner.model.compute_logits(h)
                     t2 = time.perf_counter()
-                    greedy_rejection_sample(logits.argmax(-1), drafts, nd).tolist()
+                    greedy_rejection_sample(row_argmax(logits), drafts, nd).tolist()
                     t3 = time.perf_counter()
                     best_layers, best_head, best_sample = (min(best_layers, t1 - t0), min(best_head, t2 - t1),
                                                            min(best_sample, t3 - t2))

@@ -689,6 +689,67 @@ torch::Tensor attn_out_mlp(const torch::Tensor& x, const torch::Tensor& attn, co
   return y;
 }
 
+// --- greedy: the argmax of every logits row ----------------------------------------------------------
+namespace {
+
+// index of the first maximum of x[0, n) (torch.argmax's rules: the first maximum; a NaN counts as
+// the maximum, so the first NaN wins), 16 lanes at a time
+AVX512F int64_t argmax_row(const float* x, int64_t n) {
+  int64_t i = 0, best_i = 0;
+  float best = -INFINITY;
+  __mmask16 nan = 0;
+  if (n >= 16) {
+    __m512 vmax = _mm512_loadu_ps(x);
+    nan |= _mm512_cmp_ps_mask(vmax, vmax, _CMP_UNORD_Q);
+    __m512i vidx = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    __m512i cur = vidx;
+    const __m512i step = _mm512_set1_epi32(16);
+    for (i = 16; i + 16 <= n; i += 16) {
+      cur = _mm512_add_epi32(cur, step);
+      const __m512 v = _mm512_loadu_ps(x + i);
+      nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+      const __mmask16 gt = _mm512_cmp_ps_mask(v, vmax, _CMP_GT_OQ);     // strictly greater: first index kept
+      vmax = _mm512_mask_mov_ps(vmax, gt, v);
+      vidx = _mm512_mask_mov_epi32(vidx, gt, cur);
+    }
+    alignas(64) float mv[16];
+    alignas(64) int32_t mi[16];
+    _mm512_store_ps(mv, vmax);
+    _mm512_store_si512(reinterpret_cast<__m512i*>(mi), vidx);
+    best = mv[0];
+    best_i = mi[0];
+    for (int l = 1; l < 16; ++l)
+      if (mv[l] > best || (mv[l] == best && mi[l] < best_i)) { best = mv[l]; best_i = mi[l]; }
+  }
+  for (; i < n; ++i)
+    if (x[i] > best || std::isnan(x[i])) {
+      nan = nan || std::isnan(x[i]);
+      best = x[i];
+      best_i = i;
+      if (nan) break;
+    }
+  if (nan)
+    for (int64_t j = 0; j < n; ++j)
+      if (std::isnan(x[j])) return j;
+  return best_i;
+}
+
+}  // namespace
+
+// logits [M, V] fp32 -> int64 [M]: each row's argmax (first index of the maximum, as torch.argmax),
+// rows in parallel chunks
+torch::Tensor row_argmax(const torch::Tensor& logits) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == torch::kFloat && logits.is_contiguous(),
+              "logits: contiguous fp32 [M, V]");
+  const int64_t M = logits.size(0), V = logits.size(1);
+  TORCH_CHECK(V > 0 && V < (int64_t(1) << 31), "vocabulary size");
+  auto out = at::empty({M}, logits.options().dtype(torch::kLong));
+  const float* lp = logits.data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+  for_rows(M, [&](int64_t r) { op[r] = argmax_row(lp + r * V, V); });
+  return out;
+}
+
 bool cpu_supports_avx512_bf16() { return __builtin_cpu_supports("avx512bf16"); }
 bool amx_available() { return amx_permitted(); }
 
@@ -697,6 +758,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_linear", &int8_linear, "weight-stationary int8 (per output channel) linear, bf16 x, fp32 out");
   m.def("attend_rows", &attend_rows, "row-invariant attention: every row alone over its own keys");
   m.def("attn_in", &attn_in, "RMSNorm -> int4 qkv -> RoPE -> K/V into the cache, per row; returns q");
+  m.def("row_argmax", &row_argmax, "argmax of every logits row (first maximum), rows in parallel");
   m.def("attn_out_mlp", &attn_out_mlp, "o_proj + residual -> RMSNorm -> int4 gate/up -> SiLU*up -> int4 down + residual");
   m.def("cpu_supports_avx512_bf16", &cpu_supports_avx512_bf16);
   m.def("amx_available", &amx_available);

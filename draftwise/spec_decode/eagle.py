@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from draftwise.kernels import row_argmax
 from draftwise.layers.attention import CAUSAL, AttentionMetadata, slots_for_positions
 from draftwise.spec_decode.draft import Draft
 from draftwise.spec_decode.proposer import Proposer, ProposerInput
@@ -104,7 +105,7 @@ class EagleProposer(Proposer):
             for j, i in enumerate(want):
                 out[i] = Draft.from_tree(trees[j], self.method)
             return out
-        tok = self.model.draft_to_target(logits.argmax(-1))
+        tok = self.model.draft_to_target(row_argmax(logits))
         drafts = [tok]
         bt = inp.block_tables[sel]
         pos = torch.tensor([inp.seq_lens[i] for i in want], device=dev)  # position of the sampled token
@@ -114,7 +115,7 @@ class EagleProposer(Proposer):
             slots = slots_for_positions(bt, ar, pos, block_size)
             meta = AttentionMetadata(slots, [1] * n, (pos + 1).tolist(), bt, block_size, CAUSAL).finalize()
             h = self.layer_step(tok, pos, h, meta, kv_cache)
-            tok = self.model.draft_to_target(self.logits_step(h).argmax(-1))
+            tok = self.model.draft_to_target(row_argmax(self.logits_step(h)))
             drafts.append(tok)
             pos = pos + 1
         d = torch.stack(drafts, 1).tolist()

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from draftwise.kernels import row_argmax
 from draftwise.layers.attention import TREE, AttentionMetadata, slots_for_positions
 from draftwise.sample.sampler import SamplingMetadata, target_probs
 
@@ -317,7 +318,7 @@ def verify_trees(logits: torch.Tensor, scheds, sampling: SamplingMetadata, devic
     offs = [0]
     for c in counts:
         offs.append(offs[-1] + c)
-    argmax = logits.argmax(-1).tolist()
+    argmax = row_argmax(logits).tolist()
     greedy = sampling.greedy.tolist()
     sampled_reqs = [r for r, s in enumerate(scheds) if not greedy[r] and s.completes_prompt]
     probs = None

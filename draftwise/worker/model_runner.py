@@ -11,6 +11,7 @@ import torch
 from draftwise.config import EngineConfig, ModelConfig
 from draftwise.engine.kv_cache import KVCache
 from draftwise.engine.scheduler import SchedulerOutput
+from draftwise.kernels import row_argmax
 from draftwise.layers.attention import CAUSAL, TREE, AttentionMetadata, slots_for_positions
 from draftwise.sample.rejection_sampler import greedy_rejection_sample, rejection_sample
 from draftwise.sample.sampler import SamplingMetadata
@@ -258,7 +259,7 @@ class ModelRunner:
             nd = torch.tensor(num_draft, dtype=torch.long, device=self.device)
             drafts = spec_meta.draft_matrix()
             if sampling.all_greedy and self.fused_greedy:
-                tok = greedy_rejection_sample(output.logits.argmax(-1), drafts, nd)
+                tok = greedy_rejection_sample(row_argmax(output.logits), drafts, nd)
             else:
                 tok = rejection_sample(output.logits, drafts, nd, sampling)
             rows = tok.tolist()   # the step's one host sync

@@ -104,3 +104,16 @@ def test_row_invariant_attention_kernel(ctx, n, cache_dtype, monkeypatch):
         assert torch.equal(out, A.paged_attention(q, k, v, kc.float(), vc.float(), meta, 0.125))
     monkeypatch.setenv("DRAFTWISE_NO_ATTENTION_KERNEL", "1")
     torch.testing.assert_close(out, A.paged_attention(q, k, v, kc, vc, meta, 0.125), atol=2e-6, rtol=1e-5)
+
+
+@needs_kernel
+def test_row_argmax_equals_torch_argmax():
+    """The first maximum of every row, as torch.argmax picks it: ties, NaN, odd widths, one row."""
+    g = torch.Generator().manual_seed(0)
+    for M, V in [(1, 49152), (16, 49152), (9, 37), (3, 16), (5, 15)]:
+        x = torch.randn(M, V, generator=g)
+        x[0, V // 3] = x[0, V // 2] = x.max() + 1            # a tie: the first index wins
+        if M > 2:
+            x[1] = 0.0                                       # a row of equal values
+            x[2, V - 1] = float("nan")                       # NaN counts as the maximum
+        assert torch.equal(kernels.row_argmax(x), x.argmax(-1)), (M, V)
