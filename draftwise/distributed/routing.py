@@ -178,7 +178,10 @@ class AffinityRouter:
                 and any(self._replicas[r].load.kv_usage <= hi for r in ids if r != rid))
 
     def _least_loaded(self, ids: list[str]) -> str:
-        return min(ids, key=lambda r: (self._replicas[r].in_flight, self._replicas[r].load.kv_usage,
+        """Fewest requests in flight, then the lower KV usage in steps of a tenth (the gauge is a
+        report up to a second old: finer differences would send a whole burst to one replica), then
+        the fewer requests routed so far."""
+        return min(ids, key=lambda r: (self._replicas[r].in_flight, round(self._replicas[r].load.kv_usage, 1),
                                        self._replicas[r].routed, r))
 
     def _record(self, rid: str, session: str | None, hashes: list[bytes]) -> None:

@@ -100,3 +100,19 @@ def test_round_robin_ignores_affinity():
     assert got == ["a", "b"] * 3
     with pytest.raises(ValueError, match="routing mode"):
         AffinityRouter(RoutingConfig(mode="random"))
+
+
+def test_small_kv_differences_do_not_send_a_burst_to_one_replica():
+    """Requests without affinity alternate while the replicas' reported KV usage differs only a
+    little (the report can be a second old); a real difference still decides."""
+    r = router()
+    r.report_load("a", ReplicaLoad(running=0, kv_usage=0.01))
+    r.report_load("b", ReplicaLoad(running=0, kv_usage=0.03))
+    got = []
+    for i in range(10):
+        d = r.choose(RouteRequest([1000 + i]))             # shorter than a block: no affinity
+        got.append(d.replica)
+        r.on_completed(d.replica)
+    assert got.count("a") == got.count("b") == 5
+    r.report_load("a", ReplicaLoad(running=0, kv_usage=0.6))
+    assert r.choose(RouteRequest([7])).replica == "b"
