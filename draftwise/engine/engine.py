@@ -33,7 +33,7 @@ def resolve_kv_cache_dtype(config: EngineConfig) -> EngineConfig:
     if config.kv_cache_dtype != "auto":
         return config
     kv = config.dtype
-    if config.quantization is not None and config.dtype == "float32" and config.device == "cpu":
+    if config.quantization is not None and config.dtype == "float32" and torch.device(config.device).type == "cpu":
         from draftwise.kernels import attention_reads_16bit
         if attention_reads_16bit():
             kv = "bfloat16"
