@@ -48,11 +48,9 @@ def openvino_ttft(model_dir: str, ids: list[int], repeats: int) -> float:
     import numpy as np
     import openvino as ov
     import openvino_genai as ov_genai
-    sched = ov_genai.SchedulerConfig()
-    sched.enable_prefix_caching = False
-    pipe = ov_genai.LLMPipeline(model_dir, "CPU", scheduler_config=sched, INFERENCE_NUM_THREADS=torch.get_num_threads())
-    cfg = ov_genai.GenerationConfig()
-    cfg.max_new_tokens, cfg.do_sample = 1, False
+    from draftwise.bench.peers import OpenVINOPeer
+    peer = OpenVINOPeer(model_dir, 1, prompt_lookup=False)       # the bench peer's pipeline and settings
+    pipe, cfg = peer.pipe, peer.cfg
 
     def inputs(toks):
         t = ov.Tensor(np.array([toks], dtype=np.int64))

@@ -98,7 +98,8 @@ class Datastore:
         os.replace(cached + ".tmp.npy", cached)
         return ds
 
-    def _key_at(self, rows: np.ndarray | int, d: int):
+    def _key_at(self, rows: np.ndarray, d: int) -> np.ndarray:
+        """The depth-d backward-key tokens of the positions at `rows` of the sorted order."""
         p = self.order[rows] - d
         return np.where(p >= 0, self.buf[np.maximum(p, 0)], -2)
 
@@ -133,7 +134,8 @@ class Datastore:
         """First row in [lo, hi) whose depth-d key is >= want (> want when `right`)."""
         while lo < hi:
             mid = (lo + hi) // 2
-            k = int(self._key_at(mid, d))
+            p = int(self.order[mid]) - d
+            k = int(self.buf[p]) if p >= 0 else -2
             if k < want or (right and k == want):
                 lo = mid + 1
             else:
