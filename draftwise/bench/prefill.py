@@ -39,8 +39,10 @@ def draftwise_ttft(model: str, ids: list[int], repeats: int) -> float:
     best = float("inf")
     for _ in range(repeats):
         t0 = time.perf_counter()
-        llm.generate([{"prompt_token_ids": ids}], sp)
+        out = llm.generate([{"prompt_token_ids": ids}], sp)
         best = min(best, time.perf_counter() - t0)
+        if len(out[0].outputs[0].token_ids) != 1:        # a failed request returns at once: no timing
+            raise RuntimeError(f"draftwise did not produce the token ({out[0].outputs[0].finish_reason})")
     return best
 
 

@@ -111,6 +111,16 @@ def int4_linear(x_bf16: torch.Tensor, nibbles: torch.Tensor, sm: torch.Tensor, u
     return _call("int4_linear", int4_linear_op, x_bf16, nibbles, sm, use_amx)
 
 
+def dense_linear(x_bf16: torch.Tensor, nibbles: torch.Tensor, sm: torch.Tensor) -> torch.Tensor:
+    """y [M, N] bf16 = x [M, K] (bf16) . W^T with W dequantized to bf16 for this call and a dense
+    bf16 GEMM (ATen's: oneDNN AMX / AVX512-BF16): the many-row path (prefill chunks)."""
+    mod = _state.get("mod") or load()
+    if torch.autograd.profiler._is_profiler_enabled:
+        with torch.profiler.record_function("draftwise::dense_linear"):
+            return mod.layer_linear(x_bf16.contiguous(), nibbles, sm, False, True)
+    return mod.layer_linear(x_bf16.contiguous(), nibbles, sm, False, True)
+
+
 def attend_rows_kernel(q, k_cache, v_cache, plan, scale: float, out: torch.Tensor) -> bool:
     """Row-invariant attention for `plan` (AttentionMetadata.row_plan) in one kernel call; False
     where the kernel does not apply here (then the caller attends row by row with SDPA). Used by
@@ -195,11 +205,13 @@ def int4_kernel_choice() -> dict:
     compute the same numbers. One kernel serves every row count up to the limit, so a row's numbers
     never depend on how many rows shared its step."""
     import hashlib
-    forced = os.environ.get("DRAFTWISE_INT4_KERNEL")          # "draftwise" | "aten": skip the measurement
-    if forced in ("draftwise", "aten"):
-        if forced == "draftwise" and load() is None:
-            raise RuntimeError("DRAFTWISE_INT4_KERNEL=draftwise, but the kernel cannot run here (see the log)")
-        return {"small": forced, "large": "draftwise" if forced == "draftwise" else "dense", "int8": forced}
+    # "draftwise" | "draftwise+dense" (long prefill chunks on the dense GEMM) | "aten": skip the measurement
+    forced = os.environ.get("DRAFTWISE_INT4_KERNEL")
+    if forced in ("draftwise", "draftwise+dense", "aten"):
+        if forced != "aten" and load() is None:
+            raise RuntimeError(f"DRAFTWISE_INT4_KERNEL={forced}, but the kernel cannot run here (see the log)")
+        small = "aten" if forced == "aten" else "draftwise"
+        return {"small": small, "large": "draftwise" if forced == "draftwise" else "dense", "int8": small}
     if "choice" in _state:
         return _state["choice"]
     src = os.path.join(os.path.dirname(__file__), "int4_cpu.cpp")
@@ -252,10 +264,12 @@ def _measure_int4_costs(layers: int = 12) -> dict:
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 1)
             mats.append((K, packed, sz, *pack_int4(codes, scale, mn)))
     fns = {"aten": lambda xs: [torch.ops.aten._weight_int4pack_mm_for_cpu(xs[K], p, 32, sz) for K, p, sz, _, _ in mats],
-           # what Int4Linear's large-row path does: dequantize for the call, then a dense GEMM
+           # what the large-row path does: dequantize for the call, then a dense GEMM
            "dense": lambda xs: [xs[K] @ unpack_int4(nib, sm).to(xs[K].dtype).t() for K, _, _, nib, sm in mats[:4]]}
     if have:
         fns["draftwise"] = lambda xs: [int4_linear(xs[K], nib, sm) for K, _, _, nib, sm in mats]
+        # the kernel's own dequantize-to-bf16 + GEMM (what fused layers run for long prefill chunks)
+        fns["dense"] = lambda xs: [dense_linear(xs[K], nib, sm) for K, _, _, nib, sm in mats[:4]]
     out: dict = {name: {} for name in fns}
     for m in (1, 8, 16, 256):
         xs = {K: torch.randn(m, K, generator=g).to(torch.bfloat16) for K in (576, 1536)}

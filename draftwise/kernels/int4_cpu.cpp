@@ -77,6 +77,17 @@ AVX512BF16 inline void load_sm(const uint16_t* sm, int g, __m512& s, __m512& m) 
   m = _mm512_fnmadd_ps(_mm512_set1_ps(128.0f), s, mn);
 }
 
+// per group of 32 bf16 inputs: their sum in fp32 (the minimums' share), in a fixed order: two
+// 16-lane halves added, then the lanes reduced - the same for every row, whatever the call's rows
+AVX512BF16 void group_sums(const uint16_t* x, int G, float* out) {
+  for (int g = 0; g < G; ++g) {
+    const __m512i w = _mm512_loadu_si512(x + g * GROUP);
+    const __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(w)), 16));
+    const __m512 hi = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(w, 1)), 16));
+    out[g] = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
+  }
+}
+
 // y rows += per group: scale * (x . q) + minimum * sum(x)   (MT rows, dot products on AVX512-BF16)
 template <int MT>
 AVX512BF16 void rows_dot(const uint16_t* x, const float* xs, int K, const uint16_t* Q, const uint16_t* sm,
@@ -200,6 +211,79 @@ AMXBF16 void rows_amx(const uint16_t* x, const float* xs, int mt, int K, uint16_
 }
 
 AMXBF16 void amx_release() { _tile_release(); }
+
+// --- many rows (prefill) on AMX: WIDE column blocks per row tile ------------------------------------
+// rows_amx above keeps one column block's accumulators in registers, but each group's tile product
+// then waits on the previous group's store and scaling (the tiles are not renamed): fine for the
+// decode stream, ~5x off the tile unit's rate for a 1,000-row prefill. Here one A tile (16 rows x
+// one group of inputs) feeds WIDE column blocks' products back to back, then their dot products are
+// stored and scaled into accumulators in L1 while the next group's products run. Per row and column
+// the arithmetic is rows_amx's exactly (the group's dot product from one tile product into a zeroed
+// tile, then acc = minimum * sum(x) + (dot * scale + acc), groups in order), so a row's numbers do
+// not depend on which path or how many rows the call had.
+constexpr int WIDE = 4;
+
+AMXBF16 void amx_config_wide(int mt) {
+  static thread_local TileConfig cfg;
+  std::memset(&cfg, 0, sizeof(cfg));
+  cfg.palette_id = 1;
+  for (int j = 0; j < WIDE; ++j) { cfg.rows[j] = mt; cfg.colsb[j] = NB * 4; }   // C0..C3: mt x 16 fp32
+  cfg.rows[4] = mt; cfg.colsb[4] = GROUP * 2;                                   // A: mt x 32 bf16
+  for (int t = 5; t < 7; ++t) { cfg.rows[t] = PAIRS; cfg.colsb[t] = 64; }       // B: 16 pairs x 16 x 2
+  _tile_loadconfig(&cfg);
+}
+
+// per column block and group: the scale and (minimum - 128 * scale) in fp32, as load_sm forms them
+AVX512BF16 void scale_table(const uint16_t* sm, int G, float* out) {
+  for (int g = 0; g < G; ++g) {
+    __m512 s, m;
+    load_sm(sm, g, s, m);
+    _mm512_store_ps(out + g * 2 * NB, s);
+    _mm512_store_ps(out + g * 2 * NB + NB, m);
+  }
+}
+
+// Q: WIDE unpacked column blocks, K/2 pairs x 16 x 2 each; smf: their scale tables (scale_table)
+AMXBF16 void rows_amx_wide(const uint16_t* x, const float* xs, int mt, int K, const uint16_t* Q,
+                           const float* smf, float* y, int N) {
+  const int G = K / GROUP;
+  const int64_t qstride = static_cast<int64_t>(K) * NB, sstride = static_cast<int64_t>(G) * 2 * NB;
+  alignas(64) float acc[16][WIDE * NB];
+  alignas(64) float dot[WIDE][16 * NB];
+  for (int r = 0; r < mt; ++r)
+    for (int j = 0; j < WIDE; ++j) _mm512_store_ps(&acc[r][j * NB], _mm512_setzero_ps());
+  for (int g = 0; g < G; ++g) {
+    const int64_t qo = static_cast<int64_t>(g) * PAIRS * 32;
+    _tile_loadd(4, x + g * GROUP, K * 2);
+    _tile_zero(0);
+    _tile_loadd(5, Q + qo, 64);
+    _tile_dpbf16ps(0, 4, 5);
+    _tile_zero(1);
+    _tile_loadd(6, Q + qstride + qo, 64);
+    _tile_dpbf16ps(1, 4, 6);
+    _tile_zero(2);
+    _tile_loadd(5, Q + 2 * qstride + qo, 64);
+    _tile_dpbf16ps(2, 4, 5);
+    _tile_zero(3);
+    _tile_loadd(6, Q + 3 * qstride + qo, 64);
+    _tile_dpbf16ps(3, 4, 6);
+    _tile_stored(0, dot[0], NB * 4);
+    _tile_stored(1, dot[1], NB * 4);
+    _tile_stored(2, dot[2], NB * 4);
+    _tile_stored(3, dot[3], NB * 4);
+    for (int j = 0; j < WIDE; ++j) {
+      const __m512 s = _mm512_load_ps(smf + j * sstride + g * 2 * NB), m = _mm512_load_ps(smf + j * sstride + g * 2 * NB + NB);
+      for (int r = 0; r < mt; ++r) {
+        float* a = &acc[r][j * NB];
+        _mm512_store_ps(a, _mm512_fmadd_ps(m, _mm512_set1_ps(xs[r * G + g]),
+                                           _mm512_fmadd_ps(_mm512_load_ps(dot[j] + r * NB), s, _mm512_load_ps(a))));
+      }
+    }
+  }
+  for (int r = 0; r < mt; ++r)
+    for (int j = 0; j < WIDE; ++j)
+      _mm512_storeu_ps(y + static_cast<int64_t>(r) * N + j * NB, _mm512_load_ps(&acc[r][j * NB]));
+}
 
 // one thread's unpacked column block: K/2 pairs x 16 columns x 2 bf16, 64-byte aligned
 struct BlockTile {
@@ -330,23 +414,37 @@ torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& nibbles, 
   // per row and group: the sum of the inputs (the minimums' share), from the same bf16 values, in a
   // fixed order (a row's sums do not depend on the other rows)
   std::vector<float> xs_mem(static_cast<size_t>(M) * G);
-  for_rows(M, [&](int64_t r) {
-    for (int g = 0; g < G; ++g) {
-      float acc = 0.f;
-      for (int k = 0; k < GROUP; ++k) {
-        const uint32_t bits = static_cast<uint32_t>(xp[static_cast<int64_t>(r) * K + g * GROUP + k]) << 16;
-        float v;
-        std::memcpy(&v, &bits, 4);
-        acc += v;
-      }
-      xs_mem[static_cast<size_t>(r) * G + g] = acc;
-    }
-  });
+  for_rows(M, [&](int64_t r) { group_sums(xp + r * K, G, xs_mem.data() + r * G); });
   const float* xsp = xs_mem.data();
   const uint8_t* pk = nibbles.data_ptr<uint8_t>();
   const uint16_t* smp = reinterpret_cast<const uint16_t*>(sm.data_ptr<at::Half>());
   float* yp = y.data_ptr<float>();
   const bool amx = use_amx && amx_permitted();
+  if (amx && M > 16 && blocks % WIDE == 0) {
+    // many rows: tasks of WIDE column blocks x up to WIDE_ROWS rows; each task unpacks its blocks once
+    constexpr int64_t WIDE_ROWS = 256;
+    const int64_t sets = blocks / WIDE, chunks = (M + WIDE_ROWS - 1) / WIDE_ROWS;
+    at::parallel_for(0, sets * chunks, 1, [&](int64_t t0, int64_t t1) {
+      BlockTile tile_mem(K * WIDE);
+      std::unique_ptr<float, decltype(&std::free)> smf(static_cast<float*>(std::aligned_alloc(64, sizeof(float) * WIDE * G * 2 * NB)), &std::free);
+      int configured = 0;
+      for (int64_t t = t0; t < t1; ++t) {
+        const int64_t set = t / chunks, r_begin = (t % chunks) * WIDE_ROWS, r_end = std::min<int64_t>(M, r_begin + WIDE_ROWS);
+        for (int j = 0; j < WIDE; ++j) {
+          unpack_codes(pk + (set * WIDE + j) * (K / 2) * NB, K, tile_mem.p + static_cast<int64_t>(j) * K * NB);
+          scale_table(smp + (set * WIDE + j) * G * 2 * NB, G, smf.get() + static_cast<int64_t>(j) * G * 2 * NB);
+        }
+        for (int64_t m0 = r_begin; m0 < r_end; m0 += 16) {
+          const int mt = static_cast<int>(std::min<int64_t>(16, r_end - m0));
+          if (configured != mt) { amx_config_wide(mt); configured = mt; }
+          rows_amx_wide(xp + m0 * K, xsp + m0 * G, mt, K, tile_mem.p, smf.get(),
+                        yp + m0 * N + set * WIDE * NB, N);
+        }
+      }
+      if (configured) amx_release();
+    });
+    return y;
+  }
   at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
     BlockTile tile_mem(K);
     uint16_t* tile = tile_mem.p;
@@ -376,6 +474,104 @@ torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& nibbles, 
     if (configured) amx_release();
   });
   return y;
+}
+
+// --- long prefill chunks: dequantize to bf16 once per call, then a dense bf16 GEMM -----------------
+// For hundreds of rows the exact per-group scaling above is bound by moving every group's partial
+// products out of the tile registers; ATen's bf16 GEMM (oneDNN: AMX or AVX512-BF16 microkernels)
+// runs ~3x faster on the weight rounded to bf16. Only rows of long prefill chunks take this path
+// (the caller decides by the request's query length, never by the step's total rows), so decode and
+// verification rows keep the exact kernel and stay bit-exact with each other.
+namespace {
+
+// w[k][n] = bf16((128 + code) * scale + (minimum - 128 * scale)) for one block of 16 columns
+AVX512BF16 void dequant_block_kn(const uint8_t* pk, const uint16_t* sm, int K, uint16_t* w, int64_t N) {
+  const int G = K / GROUP;
+  const __m512i lo_mask = _mm512_set1_epi32(0x0F);
+  for (int g = 0; g < G; ++g) {
+    __m512 s, m;
+    load_sm(sm, g, s, m);
+    for (int p = g * PAIRS; p < (g + 1) * PAIRS; ++p) {
+      const __m512i d = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(pk + p * NB)));
+      const __m512 q0 = _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_and_si512(d, lo_mask), _mm512_set1_epi32(128)));
+      const __m512 q1 = _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_srli_epi32(d, 4), _mm512_set1_epi32(128)));
+      const __m256bh w0 = _mm512_cvtneps_pbh(_mm512_fmadd_ps(q0, s, m));
+      const __m256bh w1 = _mm512_cvtneps_pbh(_mm512_fmadd_ps(q1, s, m));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(w + static_cast<int64_t>(2 * p) * N), reinterpret_cast<const __m256i&>(w0));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(w + static_cast<int64_t>(2 * p + 1) * N), reinterpret_cast<const __m256i&>(w1));
+    }
+  }
+}
+
+}  // namespace
+
+// the packed int4 weight as bf16 [K, N] (each value rounded once from its exact fp32 dequantization)
+torch::Tensor dequant_bf16_kn(const torch::Tensor& nibbles, const torch::Tensor& sm) {
+  TORCH_CHECK(nibbles.dim() == 3 && nibbles.size(2) == NB && nibbles.scalar_type() == torch::kUInt8, "nibbles layout");
+  TORCH_CHECK(sm.scalar_type() == torch::kHalf && sm.is_contiguous(), "sm: contiguous fp16");
+  const int blocks = nibbles.size(0), K = nibbles.size(1) * 2, N = blocks * NB, G = K / GROUP;
+  auto w = at::empty({K, N}, nibbles.options().dtype(torch::kBFloat16));
+  const uint8_t* pk = nibbles.data_ptr<uint8_t>();
+  const uint16_t* smp = reinterpret_cast<const uint16_t*>(sm.data_ptr<at::Half>());
+  uint16_t* wp = reinterpret_cast<uint16_t*>(w.data_ptr<at::BFloat16>());
+  at::parallel_for(0, blocks, 4, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b)
+      dequant_block_kn(pk + b * (K / 2) * NB, smp + b * G * 2 * NB, K, wp + b * NB, N);
+  });
+  return w;
+}
+
+namespace {
+
+// n bf16 values -> fp32 (exact)
+AVX512BF16 void widen_bf16(const uint16_t* src, float* dst, int64_t n) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    _mm512_storeu_ps(dst + i, _mm512_castsi512_ps(_mm512_slli_epi32(
+        _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i))), 16)));
+  for (; i < n; ++i) {
+    const uint32_t bits = static_cast<uint32_t>(src[i]) << 16;
+    std::memcpy(dst + i, &bits, 4);
+  }
+}
+
+// y [M, N] bf16 = x [M, K] bf16 . w [K, N] bf16: row chunks in parallel, one single-threaded GEMM
+// each (ATen's GEMM splits these small weights poorly across threads)
+torch::Tensor dense_rows(const torch::Tensor& x, const torch::Tensor& w) {
+  const int64_t M = x.size(0), N = w.size(1);
+  auto y = at::empty({M, N}, x.options().dtype(torch::kBFloat16));
+  const int64_t threads = at::get_num_threads();
+  const int64_t chunk = std::max<int64_t>(64, (M + threads - 1) / threads);
+  const bool inference = c10::InferenceMode::is_enabled();
+  at::parallel_for(0, (M + chunk - 1) / chunk, 1, [&](int64_t c0, int64_t c1) {
+    c10::InferenceMode guard(inference);             // the caller's mode on pool threads too
+    for (int64_t c = c0; c < c1; ++c) {
+      const int64_t r0 = c * chunk, r1 = std::min(M, r0 + chunk);
+      auto part = y.slice(0, r0, r1);
+      at::mm_out(part, x.slice(0, r0, r1), w);
+    }
+  });
+  return y;
+}
+
+// row r of a linear's output as fp32: in place (the int4 kernel's fp32) or widened into buf (the
+// dense path's bf16), so consumers read either without a whole-tensor conversion pass
+inline const float* out_row(const torch::Tensor& t, int64_t r, std::vector<float>& buf) {
+  const int64_t w = t.size(1);
+  if (t.scalar_type() == torch::kFloat) return t.data_ptr<float>() + r * w;
+  buf.resize(w);
+  widen_bf16(reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>()) + r * w, buf.data(), w);
+  return buf.data();
+}
+
+}  // namespace
+
+// the linear a fused layer runs: the exact int4 kernel (fp32 out), or (dense) the bf16 GEMM of long
+// prefill chunks (bf16 out)
+torch::Tensor layer_linear(const torch::Tensor& h, const torch::Tensor& nibbles, const torch::Tensor& sm, bool use_amx,
+                           bool dense) {
+  if (!dense) return int4_linear(h, nibbles, sm, use_amx);
+  return dense_rows(h, dequant_bf16_kn(nibbles, sm));
 }
 
 // --- row-invariant attention ------------------------------------------------------------------------
@@ -618,7 +814,7 @@ void write_cache_rows(const float* src, int M, int64_t width, const int64_t* slo
 torch::Tensor attn_in(const torch::Tensor& x, const torch::Tensor& norm_w, double eps,
                       const torch::Tensor& nibbles, const torch::Tensor& sm, bool use_amx,
                       const torch::Tensor& cos, const torch::Tensor& sin, int64_t nq, int64_t nkv, int64_t D,
-                      const torch::Tensor& slots, torch::Tensor k_cache, torch::Tensor v_cache) {
+                      const torch::Tensor& slots, torch::Tensor k_cache, torch::Tensor v_cache, bool dense) {
   TORCH_CHECK(slots.scalar_type() == torch::kLong && slots.is_contiguous() && slots.size(0) == x.size(0),
               "slots: contiguous int64 [M]");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.size(1) * k_cache.size(2) == nkv * D &&
@@ -629,15 +825,15 @@ torch::Tensor attn_in(const torch::Tensor& x, const torch::Tensor& norm_w, doubl
   auto h = at::empty({M, H}, x.options().dtype(torch::kBFloat16));
   rms_norm_rows_bf16(x.data_ptr<float>(), norm_w.data_ptr<float>(), M, H, static_cast<float>(eps),
                      reinterpret_cast<uint16_t*>(h.data_ptr<at::BFloat16>()));
-  auto qkv = int4_linear(h, nibbles, sm, use_amx);                  // [M, (nq + 2 nkv) D]
+  auto qkv = layer_linear(h, nibbles, sm, use_amx, dense);          // [M, (nq + 2 nkv) D]
   const int64_t W = (nq + 2 * nkv) * D;
   TORCH_CHECK(qkv.size(1) == W, "qkv width");
   auto q = at::empty({M, nq * D}, x.options());
   std::vector<float> k(static_cast<size_t>(M) * nkv * D), v(static_cast<size_t>(M) * nkv * D);
-  const float* src = qkv.data_ptr<float>();
   float* qp = q.data_ptr<float>();
   for_rows(M, [&](int64_t r) {
-    const float* row = src + r * W;
+    thread_local std::vector<float> buf;
+    const float* row = out_row(qkv, r, buf);
     std::memcpy(qp + r * nq * D, row, sizeof(float) * nq * D);
     std::memcpy(k.data() + r * nkv * D, row + nq * D, sizeof(float) * nkv * D);
     std::memcpy(v.data() + r * nkv * D, row + (nq + nkv) * D, sizeof(float) * nkv * D);
@@ -655,36 +851,46 @@ torch::Tensor attn_in(const torch::Tensor& x, const torch::Tensor& norm_w, doubl
 torch::Tensor attn_out_mlp(const torch::Tensor& x, const torch::Tensor& attn, const torch::Tensor& o_nib,
                            const torch::Tensor& o_sm, const torch::Tensor& norm_w, double eps,
                            const torch::Tensor& gu_nib, const torch::Tensor& gu_sm, const torch::Tensor& down_nib,
-                           const torch::Tensor& down_sm, bool use_amx) {
+                           const torch::Tensor& down_sm, bool use_amx, bool dense) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous(), "x: contiguous fp32 [M, H]");
-  TORCH_CHECK(attn.scalar_type() == torch::kFloat && attn.is_contiguous(), "attn: contiguous fp32");
+  TORCH_CHECK((attn.scalar_type() == torch::kFloat || attn.scalar_type() == torch::kBFloat16) && attn.is_contiguous(),
+              "attn: contiguous fp32 or bf16");
   const int M = x.size(0), H = x.size(1);
-  auto a16 = at::empty({M, attn.size(1)}, x.options().dtype(torch::kBFloat16));
-  {
+  // the attention output in bf16 (the o_proj input): converted here, or as the bf16 attention gave it
+  auto a16 = attn.scalar_type() == torch::kBFloat16 ? attn : at::empty({M, attn.size(1)}, x.options().dtype(torch::kBFloat16));
+  if (attn.scalar_type() == torch::kFloat) {
     const float* ap = attn.data_ptr<float>();
     uint16_t* o = reinterpret_cast<uint16_t*>(a16.data_ptr<at::BFloat16>());
     const int64_t w = attn.size(1);
     for_rows(M, [&](int64_t r) { to_bf16_n(ap + r * w, o + r * w, w); });
   }
-  auto x1 = int4_linear(a16, o_nib, o_sm, use_amx);                 // o_proj(attn), then + x
+  auto o = layer_linear(a16, o_nib, o_sm, use_amx, dense);                  // o_proj(attn), then + x
+  auto x1 = o.scalar_type() == torch::kFloat ? o : at::empty({M, H}, x.options());
   float* x1p = x1.data_ptr<float>();
   const float* xp = x.data_ptr<float>();
   for_rows(M, [&](int64_t r) {
-    for (int64_t i = r * H, e = (r + 1) * H; i < e; ++i) x1p[i] = xp[i] + x1p[i];
+    thread_local std::vector<float> buf;
+    const float* orow = out_row(o, r, buf);
+    for (int64_t i = 0; i < H; ++i) x1p[r * H + i] = xp[r * H + i] + orow[i];
   });
   auto h = at::empty({M, H}, x.options().dtype(torch::kBFloat16));
   rms_norm_rows_bf16(x1p, norm_w.data_ptr<float>(), M, H, static_cast<float>(eps),
                      reinterpret_cast<uint16_t*>(h.data_ptr<at::BFloat16>()));
-  auto gu = int4_linear(h, gu_nib, gu_sm, use_amx);                 // [M, 2 I]
+  auto gu = layer_linear(h, gu_nib, gu_sm, use_amx, dense);                 // [M, 2 I]
   const int I = gu.size(1) / 2;
   auto act = at::empty({M, I}, x.options().dtype(torch::kBFloat16));
-  const float* gp = gu.data_ptr<float>();
   uint16_t* ap = reinterpret_cast<uint16_t*>(act.data_ptr<at::BFloat16>());
-  for_rows(M, [&](int64_t r) { silu_mul_row(gp + r * 2 * I, I, ap + r * I); });
-  auto y = int4_linear(act, down_nib, down_sm, use_amx);
+  for_rows(M, [&](int64_t r) {
+    thread_local std::vector<float> buf;
+    silu_mul_row(out_row(gu, r, buf), I, ap + r * I);
+  });
+  auto d = layer_linear(act, down_nib, down_sm, use_amx, dense);
+  auto y = d.scalar_type() == torch::kFloat ? d : at::empty({M, H}, x.options());
   float* yp = y.data_ptr<float>();
   for_rows(M, [&](int64_t r) {
-    for (int64_t i = r * H, e = (r + 1) * H; i < e; ++i) yp[i] = x1p[i] + yp[i];
+    thread_local std::vector<float> buf;
+    const float* drow = out_row(d, r, buf);
+    for (int64_t i = 0; i < H; ++i) yp[r * H + i] = x1p[r * H + i] + drow[i];
   });
   return y;
 }
@@ -760,6 +966,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attn_in", &attn_in, "RMSNorm -> int4 qkv -> RoPE -> K/V into the cache, per row; returns q");
   m.def("row_argmax", &row_argmax, "argmax of every logits row (first maximum), rows in parallel");
   m.def("attn_out_mlp", &attn_out_mlp, "o_proj + residual -> RMSNorm -> int4 gate/up -> SiLU*up -> int4 down + residual");
+  m.def("dequant_bf16_kn", &dequant_bf16_kn, "packed int4 -> bf16 [K, N]");
+  m.def("layer_linear", &layer_linear, "the exact int4 kernel (fp32 out), or (dense) dequantize + bf16 GEMM (bf16 out)");
   m.def("cpu_supports_avx512_bf16", &cpu_supports_avx512_bf16);
   m.def("amx_available", &amx_available);
 }

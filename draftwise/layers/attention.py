@@ -49,6 +49,8 @@ class AttentionGroup:
     kv_start: int | None = None             # one request whose visible entries are consecutive
     #   cache slots kv_start .. kv_start + seq_len - 1: K/V are read in place (no gather)
     _grouped_masks: dict | None = None      # attn_mask repeated per query group, by group size
+    square: bool = False                    # one causal request with no earlier context (a first
+    #   prefill chunk): SDPA's own causal mask, no mask tensor
 
     @property
     def num_reqs(self) -> int:
@@ -85,6 +87,10 @@ class AttentionMetadata:
     row_invariant: bool = False
     groups: list[AttentionGroup] | None = None   # derived by finalize()
     row_plan: list | None = None                 # row-invariant short queries (finalize)
+    # rows of requests whose query is longer than MAX_ROW_INVARIANT_QUERY (prefill chunks) and the
+    # other rows, [n] int64 each (None when empty; finalize): the split fused layers compute by
+    long_rows: torch.Tensor | None = None
+    short_rows: torch.Tensor | None = None
 
     @property
     def num_reqs(self) -> int:
@@ -101,6 +107,7 @@ class AttentionMetadata:
         limit = MAX_ROW_INVARIANT_QUERY if rows_alone else MAX_BATCHED_QUERY
         short = [r for r in range(R) if self.query_lens[r] <= limit]
         long_ = [r for r in range(R) if self.query_lens[r] > limit]
+        self._split_rows()
         self.row_plan = None
         if rows_alone:
             self.row_plan = self._row_plan(short)
@@ -121,6 +128,15 @@ class AttentionMetadata:
             rows = torch.cat([torch.arange(starts[r], starts[r + 1]) for r in reqs]).to(dev)
             self.groups.append(self._group(reqs, rows))
         return self
+
+    def _split_rows(self) -> None:
+        dev = self.block_tables.device
+        long_rows, short_rows, start = [], [], 0
+        for q in self.query_lens:
+            (long_rows if q > MAX_ROW_INVARIANT_QUERY else short_rows).append(torch.arange(start, start + q))
+            start += q
+        self.long_rows = torch.cat(long_rows).to(dev) if long_rows else None
+        self.short_rows = torch.cat(short_rows).to(dev) if short_rows else None
 
     def _row_plan(self, reqs: list[int]) -> list:
         """Row-invariant mode: (first row, seq_len of each row, key slots of the longest) for each
@@ -166,6 +182,7 @@ class AttentionMetadata:
             if used.numel() == 1 or bool((used[1:] - used[:-1] == 1).all()):
                 kv_start = int(used[0]) * self.block_size
         uniform = min(q_list) == max_q
+        square = R == 1 and self.mask_kind == CAUSAL and q_list[0] == s_list[0] and q_list[0] > 1
         q_index = out_index = None
         if not uniform:
             starts = torch.cumsum(q_lens, 0) - q_lens
@@ -180,9 +197,9 @@ class AttentionMetadata:
         if tree_mask is not None and not all_reqs:
             tree_mask = tree_mask[torch.tensor(reqs, device=tree_mask.device)]
             tree_kv = None if tree_kv is None else [tree_kv[r] for r in reqs]
-        mask = _build_mask(self.mask_kind, q_lens, s_lens, max_q, max_kv, tree_mask, tree_kv)
+        mask = None if square else _build_mask(self.mask_kind, q_lens, s_lens, max_q, max_kv, tree_mask, tree_kv)
         return AttentionGroup(reqs, token_rows, q_list, s_list, kv_slots, mask, uniform, q_index,
-                              out_index, kv_start, {})
+                              out_index, kv_start, {}, square)
 
 
 def _build_mask(kind, q_lens, s_lens, max_q, max_kv, tree_mask, tree_kv_lens):
@@ -228,14 +245,17 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 def attend_cached(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                  scale: float) -> torch.Tensor:
+                  scale: float, keep_16bit: bool = False) -> torch.Tensor:
     """Attention of q over the caches, the step's own K/V already written (paged_attention after
-    its write; the fused int4 layer writes K/V itself)."""
+    its write; the fused int4 layer writes K/V itself). A first prefill chunk over a bf16 cache
+    attends in bf16; `keep_16bit` returns that result as it is (a caller that rounds it to bf16
+    anyway), otherwise the output has q's dtype."""
     if len(meta.groups) == 1 and not meta.row_plan:
-        return _attend_group(q, k_cache, v_cache, meta.groups[0], scale)
+        out = _attend_group(q, k_cache, v_cache, meta.groups[0], scale)
+        return out if keep_16bit else out.to(q.dtype)
     out = torch.empty_like(q)
     for g in meta.groups:
-        out[g.token_rows] = _attend_group(q[g.token_rows], k_cache, v_cache, g, scale)
+        out[g.token_rows] = _attend_group(q[g.token_rows], k_cache, v_cache, g, scale).to(q.dtype)
     if meta.row_plan:
         _attend_rows(q, k_cache, v_cache, meta.row_plan, scale, out)
     return out
@@ -271,6 +291,8 @@ def _attend_group(q, k_cache, v_cache, g: AttentionGroup, scale: float) -> torch
     Hkv = k_cache.shape[1]
     G = H // Hkv
     max_kv = g.kv_slots.shape[1]
+    if g.square:
+        return _attend_square(q, k_cache, v_cache, g, scale)
     if g.kv_start is not None:       # consecutive blocks: read the cache in place
         keys = k_cache[g.kv_start:g.kv_start + max_kv].unsqueeze(0).transpose(1, 2)
         vals = v_cache[g.kv_start:g.kv_start + max_kv].unsqueeze(0).transpose(1, 2)
@@ -291,6 +313,24 @@ def _attend_group(q, k_cache, v_cache, g: AttentionGroup, scale: float) -> torch
     if g.uniform:
         return out.reshape(T, H, D)
     return out.reshape(R * max_q, H, D)[g.out_index]
+
+
+def _attend_square(q, k_cache, v_cache, g: AttentionGroup, scale: float) -> torch.Tensor:
+    """A first prefill chunk: T queries over exactly their own T keys, causal - SDPA's flash kernel
+    with its own causal mask (it skips the masked half; no mask tensor is built). Over a bf16 CPU
+    cache it runs in bf16 (q rounded once; the kernel accumulates in fp32), reading K/V in place:
+    ~2.5x faster than fp32 copies of them. Returns [T, H, D] in the dtype it ran in."""
+    T, H, D = q.shape
+    dt = torch.bfloat16 if (q.device.type == "cpu" and k_cache.dtype == torch.bfloat16) else q.dtype
+    if g.kv_start is not None:
+        keys, vals = k_cache[g.kv_start:g.kv_start + T], v_cache[g.kv_start:g.kv_start + T]
+    else:
+        flat = g.kv_slots.view(-1)
+        keys, vals = k_cache.index_select(0, flat), v_cache.index_select(0, flat)
+    out = F.scaled_dot_product_attention(q.to(dt).transpose(0, 1).unsqueeze(0), keys.transpose(0, 1).unsqueeze(0).to(dt),
+                                         vals.transpose(0, 1).unsqueeze(0).to(dt), is_causal=True, scale=scale,
+                                         enable_gqa=True)
+    return out[0].transpose(0, 1).contiguous()                      # [T, H, D]
 
 
 # --- the attention call inside (possibly compiled) model code ---------------------------------------

@@ -201,11 +201,17 @@ class Int4Linear(_QuantizedLinear):
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed, self.group, self.scales_and_zeros)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.draftwise_large and x.device.type == "cpu" and x.reshape(-1, x.shape[-1]).shape[0] > MAX_KERNEL_ROWS:
-            from draftwise.kernels import int4_linear
+        many = x.device.type == "cpu" and x.reshape(-1, x.shape[-1]).shape[0] > MAX_KERNEL_ROWS
+        if many and (self.draftwise_large or (self.draftwise_kernel and not torch.compiler.is_compiling())):
+            # many rows: the exact kernel, or the kernel's dequantize + bf16 GEMM (whichever measured
+            # faster here)
+            from draftwise.kernels import dense_linear, int4_linear
             shape = x.shape
-            y = int4_linear(x.reshape(-1, shape[-1]).to(torch.bfloat16), self.kernel_nibbles, self.kernel_sm,
-                            self.use_amx).to(x.dtype)
+            x2 = x.reshape(-1, shape[-1]).to(torch.bfloat16)
+            if self.draftwise_large:
+                y = int4_linear(x2, self.kernel_nibbles, self.kernel_sm, self.use_amx).to(x.dtype)
+            else:
+                y = dense_linear(x2, self.kernel_nibbles, self.kernel_sm).to(x.dtype)
             if self.bias is not None:
                 y = y + self.bias.to(y.dtype)
             return y.reshape(*shape[:-1], self.out_features)

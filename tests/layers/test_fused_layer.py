@@ -91,3 +91,53 @@ def test_speculation_on_fused_layers_is_lossless(tiny_llama, monkeypatch, kv):
                   kv_cache_dtype=kv)
         assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)] == ref
         assert llm.get_metrics()["spec_decode"]["num_drafts"] > 0
+
+
+@needs_kernel
+def test_a_long_prefill_chunk_beside_decode_rows(tiny_llama, monkeypatch):
+    """Long prefill chunks may run the dense bf16 GEMM; a step holding one beside a decode row
+    computes the decode row exactly as it would alone (bit-equal logits), and the chunk's rows as a
+    chunk alone would."""
+    path, _ = tiny_llama
+    monkeypatch.setenv("DRAFTWISE_INT4_KERNEL", "draftwise+dense")
+    llm = LLM(path, block_size=4, max_model_len=256, quantization="int4", speculative_config=None)
+    model, runner = llm.engine.model, llm.engine.runner
+    assert model.layers[0].fused.dense_prefill
+    bs = runner.block_size
+    n = 40                                                        # > 32 rows: a long chunk
+    with torch.inference_mode():
+        bt = torch.stack([torch.arange(0, 12), torch.arange(12, 24)])      # two requests' blocks
+        ids_a = torch.arange(3, 3 + n) % model.config.vocab_size
+        pos_a = torch.arange(n)
+        ids_b = torch.tensor([11, 5, 9])
+        pos_b = torch.arange(3)
+
+        def meta(reqs):   # reqs: (request index, positions written this step, seq_len)
+            slots = torch.cat([slots_for_positions(bt, torch.full((len(p),), r), p, bs) for r, p, _ in reqs])
+            sub = bt[[r for r, _, _ in reqs]]
+            return AttentionMetadata(slots, [len(p) for _, p, _ in reqs], [s for _, _, s in reqs], sub, bs, CAUSAL,
+                                     row_invariant=True).finalize()
+        # request b's first two tokens in the cache, then its third decoded alone
+        model(ids_b[:2], pos_b[:2], meta([(1, pos_b[:2], 2)]), runner.kv_cache, torch.arange(2))
+        alone_b = model(ids_b[2:], pos_b[2:], meta([(1, pos_b[2:], 3)]), runner.kv_cache, torch.arange(1)).logits
+        alone_a = model(ids_a, pos_a, meta([(0, pos_a, n)]), runner.kv_cache, torch.tensor([n - 1])).logits
+        m = meta([(0, pos_a, n), (1, pos_b[2:], 3)])
+        assert m.long_rows.tolist() == list(range(n)) and m.short_rows.tolist() == [n]
+        both = model(torch.cat([ids_a, ids_b[2:]]), torch.cat([pos_a, pos_b[2:]]), m, runner.kv_cache,
+                     torch.tensor([n - 1, n])).logits
+    assert torch.equal(both[1], alone_b[0])
+    torch.testing.assert_close(both[0], alone_a[0], atol=1e-5, rtol=1e-5)
+
+
+@needs_kernel
+def test_speculation_is_lossless_with_dense_prefill(tiny_llama, monkeypatch):
+    path, _ = tiny_llama
+    monkeypatch.setenv("DRAFTWISE_INT4_KERNEL", "draftwise+dense")
+    prompts = PROMPTS + [{"prompt_token_ids": list(range(5, 90))}]          # 40 and 85 tokens: dense chunks
+    plain = LLM(path, block_size=4, max_model_len=256, quantization="int4", speculative_config=None)
+    assert plain.engine.model.layers[0].fused.dense_prefill
+    ref = [o.outputs[0].token_ids for o in plain.generate(prompts, GREEDY)]
+    llm = LLM(path, block_size=4, max_model_len=256, quantization="int4",
+              speculative_config={"method": "suffix", "num_speculative_tokens": 8, "draft_tree": True})
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)] == ref
+    assert llm.get_metrics()["spec_decode"]["num_drafts"] > 0

@@ -117,3 +117,35 @@ def test_row_argmax_equals_torch_argmax():
             x[1] = 0.0                                       # a row of equal values
             x[2, V - 1] = float("nan")                       # NaN counts as the maximum
         assert torch.equal(kernels.row_argmax(x), x.argmax(-1)), (M, V)
+
+
+@needs_kernel
+@pytest.mark.parametrize("use_amx", PATHS)
+@pytest.mark.parametrize("rows", [17, 40, 300])
+def test_many_rows_in_wide_column_blocks_equal_single_rows(use_amx, rows):
+    """With the column blocks a multiple of four, many rows run the AMX kernel's wide path (four
+    column blocks per row tile): every row bit-equal to the same row computed alone."""
+    codes, scale, mn = _weights(N=128, K=192, seed=5)
+    nib, sm = kernels.pack_int4(codes, scale, mn)
+    x = torch.randn(rows, 192).to(torch.bfloat16)
+    y = kernels.int4_linear(x, nib, sm, use_amx)
+    alone = torch.cat([kernels.int4_linear(x[r:r + 1], nib, sm, use_amx) for r in range(rows)])
+    assert torch.equal(y, alone)
+    torch.testing.assert_close(y.double(), x.double() @ kernels.unpack_int4(nib, sm).double().t(), atol=2e-4, rtol=1e-4)
+
+
+@needs_kernel
+def test_dense_prefill_linear_is_the_bf16_rounded_weight():
+    """The many-row path: the weight dequantized to bf16 (each value rounded once from its exact
+    fp32 value) and a bf16 GEMM, close to the exact kernel."""
+    codes, scale, mn = _weights(N=96, K=128, seed=7)
+    nib, sm = kernels.pack_int4(codes, scale, mn)
+    w = kernels.load().dequant_bf16_kn(nib, sm)                      # [K, N]
+    exact = kernels.unpack_int4(nib, sm).t()
+    assert w.dtype == torch.bfloat16 and w.shape == (128, 96)
+    assert ((w.float() - exact).abs() <= exact.abs() * 2 ** -8 + 1e-30).all()
+    x = torch.randn(70, 128).to(torch.bfloat16)
+    y = kernels.dense_linear(x, nib, sm)
+    ref = (x.double() @ w.double()).float()
+    torch.testing.assert_close(y.float(), ref, atol=2e-2, rtol=1e-2)
+    torch.testing.assert_close(y.float(), kernels.int4_linear(x, nib, sm), atol=3e-2, rtol=3e-2)
