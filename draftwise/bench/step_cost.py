@@ -101,8 +101,10 @@ def measure_format(fmt: str, model: str, threads: list[int], rows: list[int], co
     for th in threads:
         torch.set_num_threads(th)
         for ctx in contexts:
+            # every row count sampled alike, in interleaved rounds (ratios within one run)
+            totals = runner.measure_target_costs(rows, repeats=repeats, context=ctx, large_repeats=None)
             for m in rows:
-                total = runner.measure_target_costs([m], repeats=repeats, context=ctx)[m]
+                total = totals[m]
                 inputs = runner.scratch_step_inputs(m, ctx)
                 h, _ = runner.model.run_layers(*inputs[:3], runner.kv_cache)
                 best_head = best_layers = best_sample = float("inf")

@@ -279,9 +279,10 @@ class TensorParallelRunner:
             self.driver.send("accept", result.accepted_rows)
         return result
 
-    def measure_target_costs(self, sizes, repeats: int = 3, context: int = 0):
-        self.driver.send("measure", {"sizes": list(sizes), "repeats": repeats, "context": context})
-        return self.driver.collective(lambda: self.runner.measure_target_costs(sizes, repeats, context))
+    def measure_target_costs(self, sizes, repeats: int = 3, context: int = 0, large_repeats: int | None = 2):
+        self.driver.send("measure", {"sizes": list(sizes), "repeats": repeats, "context": context,
+                                     "large_repeats": large_repeats})
+        return self.driver.collective(lambda: self.runner.measure_target_costs(sizes, repeats, context, large_repeats))
 
 
 def worker_main(config, rank: int, world: int, port: int, host: str = "127.0.0.1") -> None:
@@ -313,7 +314,8 @@ def worker_main(config, rank: int, world: int, port: int, host: str = "127.0.0.1
             elif kind == "accept":
                 runner.keep_accepted_paths(step, payload)
             elif kind == "measure":
-                runner.measure_target_costs(payload["sizes"], payload["repeats"], payload["context"])
+                runner.measure_target_costs(payload["sizes"], payload["repeats"], payload["context"],
+                                            payload["large_repeats"])
             else:
                 raise RuntimeError(f"unknown tensor-parallel command {kind!r}")
     finally:

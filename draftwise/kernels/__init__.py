@@ -125,28 +125,23 @@ def attend_rows_kernel(q, k_cache, v_cache, plan, scale: float, out: torch.Tenso
     """Row-invariant attention for `plan` (AttentionMetadata.row_plan) in one kernel call; False
     where the kernel does not apply here (then the caller attends row by row with SDPA). Used by
     every row-invariant step alike, so decode and verification rows compute the same way."""
-    wide = k_cache.dtype in (torch.bfloat16, torch.float16)
-    if (q.device.type != "cpu" or q.dtype != torch.float32 or not (k_cache.dtype == torch.float32 or wide)
-            or q.shape[-1] % 16 or not q.is_contiguous() or not out.is_contiguous()):
-        return False
-    if os.environ.get("DRAFTWISE_NO_ATTENTION_KERNEL"):     # an A/B switch for the bench and tests
-        return False
-    mod = _state["mod"] if "mod" in _state else load()
-    if mod is None:
-        return False
     cached = _state.get("plan")
     if cached is not None and cached[0] is plan:          # every layer of a step shares one plan
         args = cached[1]
     else:
-        rows, lens, lists, slots = [], [], [], []
-        for i, (start, seq_lens, s) in enumerate(plan):
-            slots.append(s.contiguous())
-            for j, n in enumerate(seq_lens):
-                rows.append(start + j)
-                lens.append(n)
-                lists.append(i)
-        args = (rows, lens, lists, slots)
+        # an A/B switch for the bench and tests, read once per step
+        args = None if os.environ.get("DRAFTWISE_NO_ATTENTION_KERNEL") else _plan_args(plan)
         _state["plan"] = (plan, args)
+    if args is None:
+        return False
+    wide = k_cache.dtype in (torch.bfloat16, torch.float16)
+    if (q.device.type != "cpu" or q.dtype != torch.float32 or not (k_cache.dtype == torch.float32 or wide)
+            or q.shape[-1] % 16 or (q.shape[-1] > 128 and q.shape[-1] != 256)
+            or q.shape[1] // k_cache.shape[1] > 64 or not q.is_contiguous() or not out.is_contiguous()):
+        return False
+    mod = _state["mod"] if "mod" in _state else load()
+    if mod is None:
+        return False
     # a 16-bit cache is read as it is and widened in registers (exact): the same scores as fp32
     # copies of its values, and half the memory traffic
     if torch.autograd.profiler._is_profiler_enabled:        # named in profiles (draftwise bench step-cost)
@@ -155,6 +150,18 @@ def attend_rows_kernel(q, k_cache, v_cache, plan, scale: float, out: torch.Tenso
         return True
     mod.attend_rows(q, k_cache, v_cache, out, *args, float(scale))
     return True
+
+
+def _plan_args(plan) -> tuple:
+    """The kernel's flat arguments for a row plan: rows, their key counts, their key lists."""
+    rows, lens, lists, slots = [], [], [], []
+    for i, (start, seq_lens, s) in enumerate(plan):
+        slots.append(s.contiguous())
+        for j, n in enumerate(seq_lens):
+            rows.append(start + j)
+            lens.append(n)
+            lists.append(i)
+    return rows, lens, lists, slots
 
 
 def row_argmax(logits: torch.Tensor) -> torch.Tensor:

@@ -120,24 +120,31 @@ class ModelRunner:
         logger.info("compiled %d graph families in %.1f s", len(self.graphs), time.perf_counter() - t0)
 
     @torch.inference_mode()
-    def measure_target_costs(self, sizes, repeats: int = 3, context: int = 0) -> dict[int, float]:
+    def measure_target_costs(self, sizes, repeats: int = 3, context: int = 0,
+                             large_repeats: int | None = 2) -> dict[int, float]:
         """Seconds per target forward (layers + LM head on every row) of one request feeding each
-        token count in `sizes` after `context` cached tokens, best of `repeats`, on scratch KV
-        blocks (call before serving). The adaptive policy's cost table and `draftwise bench
-        step-cost` both read this."""
-        costs = {}
+        token count in `sizes` after `context` cached tokens, best of `repeats` (`large_repeats`
+        for more than 8 tokens: the start-up measurement keeps those short; None = `repeats`), on
+        scratch KV blocks (call before serving). Rounds visit every size in turn, so a slow spell
+        of a shared machine lands on all sizes alike. The adaptive policy's cost table and
+        `draftwise bench step-cost` both read this."""
+        inputs = {}
         for n in sizes:
-            inputs = self.scratch_step_inputs(n, context)
-            if inputs is None:
+            step = self.scratch_step_inputs(n, context)
+            if step is None:
                 break
-            best = float("inf")
-            for i in range((repeats if n <= 8 else 2) + 1):
+            inputs[n] = step
+        reps = {n: repeats if n <= 8 or large_repeats is None else large_repeats for n in inputs}
+        best = {n: float("inf") for n in inputs}
+        for i in range(max(reps.values(), default=0) + 1):
+            for n, step in inputs.items():
+                if i > reps[n]:
+                    continue
                 t0 = time.perf_counter()
-                self._target_forward(*inputs)
-                if i:
-                    best = min(best, time.perf_counter() - t0)
-            costs[n] = best
-        return costs
+                self._target_forward(*step)
+                if i:                                       # round 0 warms up
+                    best[n] = min(best[n], time.perf_counter() - t0)
+        return best
 
     def scratch_step_inputs(self, n: int, context: int = 0):
         """(input_ids, positions, attention metadata, logits rows) of one request feeding `n` tokens
