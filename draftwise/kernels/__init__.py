@@ -125,19 +125,8 @@ def attend_rows_kernel(q, k_cache, v_cache, plan, scale: float, out: torch.Tenso
     """Row-invariant attention for `plan` (AttentionMetadata.row_plan) in one kernel call; False
     where the kernel does not apply here (then the caller attends row by row with SDPA). Used by
     every row-invariant step alike, so decode and verification rows compute the same way."""
-    cached = _state.get("plan")
-    if cached is not None and cached[0] is plan:          # every layer of a step shares one plan
-        args = cached[1]
-    else:
-        # an A/B switch for the bench and tests, read once per step
-        args = None if os.environ.get("DRAFTWISE_NO_ATTENTION_KERNEL") else _plan_args(plan)
-        _state["plan"] = (plan, args)
-    if args is None:
-        return False
-    wide = k_cache.dtype in (torch.bfloat16, torch.float16)
-    if (q.device.type != "cpu" or q.dtype != torch.float32 or not (k_cache.dtype == torch.float32 or wide)
-            or q.shape[-1] % 16 or (q.shape[-1] > 128 and q.shape[-1] != 256)
-            or q.shape[1] // k_cache.shape[1] > 64 or not q.is_contiguous() or not out.is_contiguous()):
+    args = row_plan_args(plan)
+    if args is None or not attention_kernel_fits(q, k_cache) or not q.is_contiguous() or not out.is_contiguous():
         return False
     mod = _state["mod"] if "mod" in _state else load()
     if mod is None:
@@ -150,6 +139,26 @@ def attend_rows_kernel(q, k_cache, v_cache, plan, scale: float, out: torch.Tenso
         return True
     mod.attend_rows(q, k_cache, v_cache, out, *args, float(scale))
     return True
+
+
+def attention_kernel_fits(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Whether the row-invariant attention kernel takes these queries ([T, H, D]) and this cache."""
+    return (q.device.type == "cpu" and q.dtype == torch.float32
+            and k_cache.dtype in (torch.float32, torch.bfloat16, torch.float16)
+            and q.shape[-1] % 16 == 0 and (q.shape[-1] <= 128 or q.shape[-1] == 256)
+            and q.shape[1] // k_cache.shape[1] <= 64)
+
+
+def row_plan_args(plan):
+    """The kernel's arguments for a row plan, built once per step (every layer shares the plan);
+    None where the kernel is switched off (DRAFTWISE_NO_ATTENTION_KERNEL, an A/B switch for the
+    bench and tests)."""
+    cached = _state.get("plan")
+    if cached is not None and cached[0] is plan:
+        return cached[1]
+    args = None if os.environ.get("DRAFTWISE_NO_ATTENTION_KERNEL") else _plan_args(plan)
+    _state["plan"] = (plan, args)
+    return args
 
 
 def _plan_args(plan) -> tuple:

@@ -15,7 +15,7 @@ from torch import nn
 
 from draftwise.config import ModelConfig
 from draftwise.layers.attention import AttentionMetadata, attend
-from draftwise.layers.fused_layer import fused_layer_forward, fused_rope_rows
+from draftwise.layers.fused_layer import fused_layer_forward, fused_rope_rows, fused_stack_forward
 from draftwise.layers.norm import RMSNorm
 from draftwise.layers.rotary import RotaryEmbedding
 
@@ -210,10 +210,14 @@ class LlamaForCausalLM(nn.Module):
         captured = {}
         wanted = self.aux_hidden_state_layers
         rope_rows = fused_rope_rows(self, positions, h, meta)
-        for i, layer in enumerate(self.layers):
-            if i in wanted:
-                captured[i] = h
-            h = layer(h, positions, meta, kv_cache, self.rotary, rope_rows)
+        stacked = None if rope_rows is None else fused_stack_forward(self, h, rope_rows, meta, kv_cache, wanted)
+        if stacked is not None:                  # every layer in one C++ call (decode / verification)
+            h, captured = stacked
+        else:
+            for i, layer in enumerate(self.layers):
+                if i in wanted:
+                    captured[i] = h
+                h = layer(h, positions, meta, kv_cache, self.rotary, rope_rows)
         aux_t = torch.cat([captured[i] for i in wanted], dim=-1) if wanted else None
         return self.norm(h), aux_t
 

@@ -30,6 +30,7 @@ def test_fused_layers_match_the_eager_layers(tiny_llama, monkeypatch):
     calls = []
     real = L.fused_layer_forward
     monkeypatch.setattr(L, "fused_layer_forward", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(L, "fused_stack_forward", lambda *a: None)    # the per-layer path (the stack: below)
     path, _ = tiny_llama
     llm = _int4(path, monkeypatch)
     model, runner = llm.engine.model, llm.engine.runner
@@ -141,3 +142,27 @@ def test_speculation_is_lossless_with_dense_prefill(tiny_llama, monkeypatch):
               speculative_config={"method": "suffix", "num_speculative_tokens": 8, "draft_tree": True})
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)] == ref
     assert llm.get_metrics()["spec_decode"]["num_drafts"] > 0
+
+
+@needs_kernel
+@pytest.mark.parametrize("kv", ["float32", "bfloat16"])
+def test_the_layer_stack_in_one_call_equals_the_per_layer_path(tiny_llama, monkeypatch, kv):
+    """Decode / verification steps run every layer in one C++ call: the same logits, K/V and
+    captured hidden states (EAGLE-3's) as the per-layer calls, bit for bit."""
+    import draftwise.models.llama as L
+    path, _ = tiny_llama
+    llm = _int4(path, monkeypatch, kv)
+    model, runner = llm.engine.model, llm.engine.runner
+    model.set_aux_hidden_state_layers((0, 2))
+    stacked = []
+    real = L.fused_stack_forward
+    with torch.inference_mode():
+        monkeypatch.setattr(L, "fused_stack_forward", lambda *a: stacked.append(1) or real(*a))
+        one = model(*runner.scratch_step_inputs(5, 11)[:3], runner.kv_cache, torch.arange(5))
+        k_one = runner.kv_cache.layer(1)[0].clone()
+        assert stacked and model._fused_stack[1] is not None
+        monkeypatch.setattr(L, "fused_stack_forward", lambda *a: None)
+        per_layer = model(*runner.scratch_step_inputs(5, 11)[:3], runner.kv_cache, torch.arange(5))
+    assert torch.equal(one.logits, per_layer.logits)
+    assert torch.equal(one.aux_hidden_states, per_layer.aux_hidden_states)
+    assert torch.equal(k_one, runner.kv_cache.layer(1)[0])
