@@ -46,6 +46,9 @@ void for_rows(int64_t M, const F& f) {
 }
 
 constexpr int NB = 16;   // output columns per block
+// software prefetch distance of the weight streams: 2 KB (~ DRAM latency x one core's bandwidth);
+// measured on SmolLM2's LM head at one row: 6.3 ms with none, 4.2 at 512 B, 3.3 at 2 KB (1 thread)
+constexpr int PREFETCH_BYTES = 2048;
 constexpr int GROUP = 32;
 constexpr int PAIRS = GROUP / 2;
 
@@ -59,8 +62,9 @@ AVX512BF16 inline void unpack_pairs(const uint8_t* pk, int p_begin, int p_end, u
   const __m512i lo_mask = _mm512_set1_epi32(0x0000000F), hi_mask = _mm512_set1_epi32(0x000F0000);
   const __m512i bias = _mm512_set1_epi32(0x43004300);
   for (int p = p_begin; p < p_end; ++p) {
-    // decode streams every weight from memory: ask for the codes 16 pairs (4 cache lines) ahead
-    _mm_prefetch(reinterpret_cast<const char*>(pk + (p + 16) * NB), _MM_HINT_T0);
+    // decode streams every weight from DRAM: ask for the codes PREFETCH_BYTES ahead (the next
+    // block's when near the end of this one: blocks are consecutive)
+    _mm_prefetch(reinterpret_cast<const char*>(pk + p * NB + PREFETCH_BYTES), _MM_HINT_T0);
     // dword j = byte j = q[j][2p] | q[j][2p+1] << 4  ->  words (0x4300 | q[j][2p], 0x4300 | q[j][2p+1])
     const __m512i d = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(pk + p * NB)));
     const __m512i lo = _mm512_ternarylogic_epi32(d, lo_mask, bias, 0xEA);                  // (d & m) | bias
@@ -301,6 +305,7 @@ struct BlockTile {
 AVX512BF16 void unpack_int8(const int8_t* q8, int K, uint16_t* out) {
   const int P = K / 2;
   for (int p = 0; p < P; ++p) {
+    _mm_prefetch(reinterpret_cast<const char*>(q8 + p * 32 + PREFETCH_BYTES), _MM_HINT_T0);
     const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q8 + p * 32));
     const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(v)));
     const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(v, 1)));
