@@ -8,7 +8,8 @@ bfloat16, float16; default: what the engine picks for those weights).
 Perplexity: teacher-forced negative log-likelihood of the assistant tokens of held-out ShareGPT
 conversations (the 2 % split the trainers never see), chat-templated, cut to --max-len tokens, fed in
 chunks of --chunk tokens so the quantized kernels (used up to 32 rows: decode, verification) are
-what is measured, not the dense path of long prefills.
+what is measured; `--chunk 512 --prompts 0` measures the long-prefill path instead (chunks over 32
+rows run on the weights rounded to bf16).
 Agreement: greedy continuations of MT-bench first turns, compared with fp32 token by token
 (`prefix`: fraction of tokens before the first difference; `identical`: whole outputs equal)."""
 from __future__ import annotations
@@ -85,7 +86,8 @@ def main(argv=None) -> dict:
     a = p.parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)
-    convs = load_prompts(a.dataset, None)[::max(1, 80 // a.prompts)][:a.prompts]
+    # --prompts 0: perplexity only
+    convs = load_prompts(a.dataset, None)[::max(1, 80 // a.prompts)][:a.prompts] if a.prompts > 0 else []
     sp = SamplingParams(temperature=0, max_tokens=a.max_tokens)
     results, ref = {}, None
     for mode in a.modes.split(","):
@@ -93,14 +95,15 @@ def main(argv=None) -> dict:
         q = None if weights == "none" else weights
         llm = LLM(a.model, quantization=q, speculative_config=None, enforce_eager=True, max_model_len=1024,
                   kv_cache_dtype=kv or "auto")
-        outs = [o.outputs[0].token_ids for o in llm.chat([[{"role": "user", "content": c[0]}] for c in convs], sp)]
+        outs = [o.outputs[0].token_ids for o in llm.chat([[{"role": "user", "content": c[0]}] for c in convs], sp)] \
+            if convs else []
         ex = heldout_examples(llm.tokenizer, a.conversations, a.max_len)
         kv_dtype = llm.engine.config.kv_torch_dtype
         ppl = perplexity(llm.engine.model, ex, a.chunk, kv_dtype)
         r = {"perplexity": round(ppl, 3), "kv_cache_dtype": str(kv_dtype).replace("torch.", "")}
         if ref is None:
             ref = outs
-        else:
+        elif convs:
             r["greedy_agreement_with_" + a.modes.split(",")[0]] = agreement(ref, outs)
         results[mode] = r
         print(mode, json.dumps(r), flush=True)

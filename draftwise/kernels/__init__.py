@@ -145,7 +145,7 @@ def attention_kernel_fits(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """Whether the row-invariant attention kernel takes these queries ([T, H, D]) and this cache."""
     return (q.device.type == "cpu" and q.dtype == torch.float32
             and k_cache.dtype in (torch.float32, torch.bfloat16, torch.float16)
-            and q.shape[-1] % 16 == 0 and (q.shape[-1] <= 128 or q.shape[-1] == 256)
+            and q.shape[-1] in (16, 32, 64, 128, 256)          # the head sizes it is built for
             and q.shape[1] // k_cache.shape[1] <= 64)
 
 

@@ -704,7 +704,7 @@ void attend_one_any(const float* q, const T* kc, const T* vc, const int64_t* slo
                     int64_t slot_stride, float scale, float* out, float* scores) {
   switch (D / 16) {
 #define CASE(n) case n: attend_one<T, n>(q, kc, vc, slots, len, G, slot_stride, scale, out, scores); break;
-    CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8) CASE(16)
+    CASE(1) CASE(2) CASE(4) CASE(8) CASE(16)
 #undef CASE
     default: TORCH_CHECK(false, "attend_rows: head_dim ", D, " is not supported");
   }
@@ -721,7 +721,7 @@ void attend_rows_typed(const torch::Tensor& q, const torch::Tensor& k_cache, con
                        torch::Tensor& out, const std::vector<int64_t>& rows, const std::vector<int64_t>& lens,
                        const std::vector<int64_t>& slot_lists, const std::vector<torch::Tensor>& slots, double scale) {
   const int H = q.size(1), D = q.size(2), Hkv = k_cache.size(1), G = H / Hkv;
-  TORCH_CHECK(D % 16 == 0 && (D <= 128 || D == 256) && G <= 64 && k_cache.stride(0) == Hkv * D &&
+  TORCH_CHECK((D == 16 || D == 32 || D == 64 || D == 128 || D == 256) && G <= 64 && k_cache.stride(0) == Hkv * D &&
               v_cache.stride(0) == Hkv * D, "layout");
   const int64_t n = static_cast<int64_t>(rows.size());
   const float* qp = q.data_ptr<float>();

@@ -17,10 +17,12 @@ linearly with the row count: measured on SmolLM2's 120 layer linears (2 threads,
 74.2 / 76.8 / 62-96 / 97 / 123 ms. So rows up to `MAX_KERNEL_ROWS` (decode, verification, drafting)
 use the quantized kernel, and larger row counts (prefill chunks, large batches) dequantize the
 weight for that call and run a dense GEMM: no dense copy is kept beside the quantized weights
-(dequantizing costs one pass over the weight, small against a GEMM of more than 32 rows). The dense
-GEMM runs in the dtype `dense_gemm_dtype()` measured fastest on this machine (bf16 where the CPU
-has bf16 matrix instructions - AVX512_BF16 / AMX - else fp32); both paths compute the same
-quantized model up to activation rounding.
+(dequantizing costs one pass over the weight, small against a GEMM of more than 32 rows). Where
+draftwise's kernels run, the int4 weight is dequantized to bf16 by the kernel and ATen's bf16 GEMM
+follows (`draftwise.kernels.dense_linear`; fused layers use it for long prefill chunks only);
+elsewhere the dense GEMM runs in the dtype `dense_gemm_dtype()` measured fastest on this machine
+(bf16 where the CPU has bf16 matrix instructions - AVX512_BF16 / AMX - else fp32); both paths
+compute the same quantized model up to activation (and, in bf16, weight) rounding.
 
 On CUDA the dense path is used for every row count (the CPU kernels' packing is CPU-only).
 """
