@@ -126,7 +126,8 @@ def attend_rows_kernel(q, k_cache, v_cache, plan, scale: float, out: torch.Tenso
     where the kernel does not apply here (then the caller attends row by row with SDPA). Used by
     every row-invariant step alike, so decode and verification rows compute the same way."""
     args = row_plan_args(plan)
-    if args is None or not attention_kernel_fits(q, k_cache) or not q.is_contiguous() or not out.is_contiguous():
+    if (args is None or q.device.type != "cpu" or q.dtype != torch.float32 or not q.is_contiguous()
+            or not out.is_contiguous() or not attention_kernel_fits(q.shape[-1], q.shape[1] // k_cache.shape[1], k_cache)):
         return False
     mod = _state["mod"] if "mod" in _state else load()
     if mod is None:
@@ -141,12 +142,12 @@ def attend_rows_kernel(q, k_cache, v_cache, plan, scale: float, out: torch.Tenso
     return True
 
 
-def attention_kernel_fits(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """Whether the row-invariant attention kernel takes these queries ([T, H, D]) and this cache."""
-    return (q.device.type == "cpu" and q.dtype == torch.float32
-            and k_cache.dtype in (torch.float32, torch.bfloat16, torch.float16)
-            and q.shape[-1] in (16, 32, 64, 128, 256)          # the head sizes it is built for
-            and q.shape[1] // k_cache.shape[1] <= 64)
+def attention_kernel_fits(head_dim: int, groups: int, k_cache: torch.Tensor) -> bool:
+    """Whether the row-invariant attention kernel takes fp32 queries of this head size, `groups`
+    query heads per KV head, over this cache."""
+    return (k_cache.device.type == "cpu" and k_cache.dtype in (torch.float32, torch.bfloat16, torch.float16)
+            and head_dim in (16, 32, 64, 128, 256)               # the head sizes it is built for
+            and groups <= 64)
 
 
 def row_plan_args(plan):

@@ -89,8 +89,12 @@ def fused_layer_forward(layer, x: torch.Tensor, rope_rows, meta, kv_cache) -> to
     cos, sin = rope_rows
     k_cache, v_cache = kv_cache.layer(attn.layer_idx)
     x = x.contiguous()
-    parts = [(None, w.dense_prefill and meta.long_rows is not None and meta.short_rows is None)]
-    if w.dense_prefill and meta.long_rows is not None and meta.short_rows is not None:
+    # (rows, dense) per call: all rows at once (None), or each kind of row in its own calls
+    if not w.dense_prefill or meta.long_rows is None:
+        parts = [(None, False)]
+    elif meta.short_rows is None:
+        parts = [(None, True)]
+    else:
         parts = [(meta.long_rows, True), (meta.short_rows, False)]
 
     def rows(t, idx):
@@ -147,8 +151,8 @@ def _stack(model, kv_cache):
     layers = model.layers
     attn = layers[0].self_attn
     stack = None
-    probe = torch.empty(1, attn.num_heads, attn.head_dim)
-    if attention_kernel_fits(probe, k0) and len({layer.fused.use_amx for layer in layers}) == 1:
+    if (attention_kernel_fits(attn.head_dim, attn.num_heads // attn.num_kv_heads, k0)
+            and len({layer.fused.use_amx for layer in layers}) == 1):
         w = [layer.fused for layer in layers]
         stack = load().FusedStack(
             [f.qkv[0] for f in w], [f.qkv[1] for f in w], [f.o[0] for f in w], [f.o[1] for f in w],
