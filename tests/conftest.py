@@ -34,3 +34,22 @@ def ray_cluster():
     with LoopbackRayCluster(num_nodes=2) as cluster:
         yield cluster
     assert not cluster.leftovers(), cluster.leftovers()      # nothing of the test outlives it
+
+
+def _isas_here() -> list[str]:
+    """Every kernel ISA this CPU can run (its best and those below it), `none` (PyTorch) included."""
+    from draftwise.kernels import ISAS, cpu_isa
+    return list(ISAS[ISAS.index(cpu_isa()):])
+
+
+@pytest.fixture(params=_isas_here())
+def kernel_isa(request, monkeypatch):
+    """Each ISA path this machine has, forced through DRAFTWISE_ISA (the kernel state is reset
+    around the test, so engines built inside it run that path)."""
+    from draftwise import kernels
+    monkeypatch.setenv("DRAFTWISE_ISA", request.param)
+    kernels.reset()
+    assert kernels.isa() == request.param
+    yield request.param
+    monkeypatch.delenv("DRAFTWISE_ISA")
+    kernels.reset()

@@ -313,8 +313,9 @@ def machine_description() -> str:
             model = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), model)
     except OSError:
         pass
+    from draftwise.kernels import isa
     return (f"{model}, {os.cpu_count()} cores, ISA {torch.backends.cpu.get_cpu_capability()} "
-            f"[{isa_summary() or 'no AVX2/AVX-512/AMX flags'}], torch {torch.__version__}, "
+            f"[{isa_summary() or 'no AVX2/AVX-512/AMX flags'}], draftwise kernels {isa()}, torch {torch.__version__}, "
             f"{torch.get_num_threads()} threads")
 
 

@@ -23,9 +23,9 @@ import torch
 
 FORMATS = {"fp32": dict(quantization=None, dtype="float32"), "bf16": dict(quantization=None, dtype="bfloat16"),
            "int8": dict(quantization="int8", dtype="float32"), "int4": dict(quantization="int4", dtype="float32"),
-           # int4 on one kernel (DRAFTWISE_INT4_KERNEL), whatever the measured choice would be
-           "int4-aten": dict(quantization="int4", dtype="float32", int4_kernel="aten"),
-           "int4-draftwise": dict(quantization="int4", dtype="float32", int4_kernel="draftwise")}
+           # int4 on PyTorch's kernels (DRAFTWISE_ISA=none) / on draftwise's for this CPU
+           "int4-aten": dict(quantization="int4", dtype="float32", isa="none"),
+           "int4-draftwise": dict(quantization="int4", dtype="float32", isa="auto")}
 LINEAR_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::_weight_int4pack_mm_for_cpu", "aten::_weight_int8pack_mm",
               "mkldnn::_linear_pointwise", "aten::linear", "aten::matmul", "draftwise::int4_linear",
               "draftwise::int8_linear",
@@ -37,6 +37,7 @@ ATTENTION_OPS = ("scaled_dot_product", "aten::index_select", "aten::index_copy",
 
 
 def machine_line() -> str:
+    from draftwise.kernels import isa
     from draftwise.machine import isa_summary
     model = ""
     try:
@@ -45,7 +46,8 @@ def machine_line() -> str:
     except OSError:
         pass
     return (f"{model or 'unknown CPU'}, {os.cpu_count()} cores; torch {torch.__version__} "
-            f"(capability {torch.backends.cpu.get_cpu_capability()}; {isa_summary() or 'no AVX-512/AMX flags'})")
+            f"(capability {torch.backends.cpu.get_cpu_capability()}; {isa_summary() or 'no AVX-512/AMX flags'}); "
+            f"kernels: {isa()}")
 
 
 def _category(name: str) -> str:
@@ -79,23 +81,17 @@ def _split(runner, inputs, lm_head_rows: torch.Tensor) -> dict[str, float]:
 def measure_format(fmt: str, model: str, threads: list[int], rows: list[int], contexts: list[int],
                    compiled: bool, repeats: int) -> list[dict]:
     from draftwise import LLM
+    from draftwise.kernels import forced_isa
+    kw = dict(FORMATS[fmt])
+    with forced_isa(kw.pop("isa", None)):
+        llm = LLM(model, max_model_len=max(contexts) + max(rows) + 64, max_num_seqs=1,
+                  speculative_config=None, enforce_eager=not compiled, **kw)
+        return _measure(llm, fmt, threads, rows, contexts, repeats)
+
+
+def _measure(llm, fmt: str, threads: list[int], rows: list[int], contexts: list[int], repeats: int) -> list[dict]:
     from draftwise.kernels import row_argmax
     from draftwise.sample.rejection_sampler import greedy_rejection_sample
-    kw = dict(FORMATS[fmt])
-    kernel = kw.pop("int4_kernel", None)
-    old = os.environ.get("DRAFTWISE_INT4_KERNEL")
-    if kernel:
-        os.environ["DRAFTWISE_INT4_KERNEL"] = kernel
-    try:
-        llm = LLM(model, max_model_len=max(contexts) + max(rows) + 64, max_num_seqs=1,
-                  speculative_config=None,
-                  enforce_eager=not compiled, **kw)
-    finally:
-        if kernel:
-            if old is None:
-                os.environ.pop("DRAFTWISE_INT4_KERNEL", None)
-            else:
-                os.environ["DRAFTWISE_INT4_KERNEL"] = old
     runner = llm.engine.runner
     out = []
     for th in threads:

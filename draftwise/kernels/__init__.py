@@ -1,52 +1,124 @@
-"""Hand-written CPU kernels, compiled on first use with torch.utils.cpp_extension (cached under
-torch's extension directory, so later starts load the built library in well under a second).
+"""Hand-written CPU kernels, one module per instruction set, compiled on first use with
+torch.utils.cpp_extension (cached under torch's extension directory, so later starts load the built
+library in well under a second).
 
-`int4_cpu.cpp`: a weight-stationary int4 (group 32, GGUF Q4_1) linear for the small row counts of
-decoding and verification, on AVX512-BF16 dot products or AMX-BF16 tiles (see the file), its int8
-sibling for the LM head, and the row-invariant attention over fp32 / bf16 / fp16 paged caches. Machines
-without AVX512-BF16, or without a C++ compiler / ninja, keep PyTorch's own int4 kernel: `load()`
+`cpu/avx512.cpp` (AVX512-BF16 dot products, AMX-BF16 tiles where the OS grants them) and
+`cpu/avx2.cpp` (AVX2 + FMA + F16C) each provide the same functions: weight-stationary int4 (group 32,
+GGUF Q4_1) and int8 linears for every row count, the row-invariant attention over fp32 / bf16 / fp16
+paged caches, the fused decoder layer and layer stack (`cpu/layer.h`, shared), the row argmax.
+
+`isa()` is the one dispatch point: the best ISA this CPU has, or the one `DRAFTWISE_ISA` names
+(amx | avx512 | avx2 | none; `none` = PyTorch's own kernels). A machine's numbers depend on that ISA
+only: every row count runs the same kernel, so a row's bits never depend on the rows beside it. A
+kernel that cannot be built or loaded here means PyTorch's kernels, with one warning: `load()`
 returns None and says why once."""
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
 
 import torch
 
-from draftwise.machine import cached_measurement, cpu_flags, machine_key
+from draftwise.machine import cpu_flags
 
 logger = logging.getLogger("draftwise")
 _lock = threading.Lock()
 _state: dict = {}
 
+ISAS = ("amx", "avx512", "avx2", "none")           # best first
+_SOURCES = {"amx": "avx512.cpp", "avx512": "avx512.cpp", "avx2": "avx2.cpp"}
+_CFLAGS = {"avx2.cpp": ["-mavx2", "-mfma", "-mf16c"]}   # the AVX-512 file marks its functions itself
+_AVX512 = {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"}
+
+
+def cpu_isa() -> str:
+    """The best kernel ISA this CPU has."""
+    flags = cpu_flags()
+    if _AVX512 <= flags:
+        return "amx" if {"amx_bf16", "amx_tile"} <= flags else "avx512"
+    if {"avx2", "fma", "f16c"} <= flags:
+        return "avx2"
+    return "none"
+
+
+def isa() -> str:
+    """The ISA the kernels run on: `DRAFTWISE_ISA` where set (and the CPU has it), else the best the
+    CPU has. A request the CPU cannot serve falls back to the best it has, with a warning."""
+    if "isa" in _state:
+        return _state["isa"]
+    best = cpu_isa()
+    want = os.environ.get("DRAFTWISE_ISA", "").strip().lower() or "auto"
+    if want == "auto":
+        chosen = best
+    elif want not in ISAS:
+        logger.warning("DRAFTWISE_ISA=%s is not one of %s (or auto); using %s", want, ", ".join(ISAS), best)
+        chosen = best
+    elif ISAS.index(want) < ISAS.index(best):
+        logger.warning("DRAFTWISE_ISA=%s, but this CPU has no %s; using %s", want, want, best)
+        chosen = best
+    else:
+        chosen = want
+    _state["isa"] = chosen
+    return chosen
+
+
+def reset() -> None:
+    """Forget the chosen ISA and the loaded module (tests switch DRAFTWISE_ISA between engines)."""
+    with _lock:
+        _state.clear()
+
+
+@contextlib.contextmanager
+def forced_isa(name: str | None):
+    """Run the block on ISA `name` (as DRAFTWISE_ISA would; None: leave things as they are), and
+    restore the environment's choice after it (benchmarks comparing paths in one process)."""
+    if name is None:
+        yield
+        return
+    old = os.environ.get("DRAFTWISE_ISA")
+    os.environ["DRAFTWISE_ISA"] = name
+    reset()
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("DRAFTWISE_ISA", None)
+        else:
+            os.environ["DRAFTWISE_ISA"] = old
+        reset()
+
 
 def load():
-    """The compiled int4 kernel module, or None where it cannot run here."""
+    """The compiled kernel module of `isa()`, or None where none runs here (then PyTorch's kernels
+    serve, with one warning naming the reason)."""
     with _lock:
         if "mod" in _state:
             return _state["mod"]
-        mod = None
-        flags = cpu_flags()
-        if os.environ.get("DRAFTWISE_NO_KERNELS"):
-            why = "DRAFTWISE_NO_KERNELS is set"
-        elif "avx512_bf16" not in flags:
-            why = "the CPU has no AVX512-BF16"
+        mod, chosen = None, isa()
+        if chosen == "none":
+            why = "DRAFTWISE_ISA=none" if cpu_isa() != "none" else "the CPU has neither AVX2+FMA+F16C nor AVX512-BF16"
         else:
-            why = None
             try:
-                from torch.utils.cpp_extension import load as build
-                src = os.path.join(os.path.dirname(__file__), "int4_cpu.cpp")
-                logger.info("building the int4 CPU kernel (first run only)")
-                mod = build(name="draftwise_int4_cpu", sources=[src], extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"],
-                            verbose=False)
-            except Exception as e:     # noqa: BLE001 - no compiler, no ninja, ...
-                why = f"it could not be built ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
+                mod = _build(_SOURCES[chosen])
+                why = None
+            except Exception as e:     # noqa: BLE001 - no compiler, no ninja, a failed build, ...
+                why = f"the {chosen} kernels could not be built ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
         if mod is None:
-            logger.warning("int4 kernel: using PyTorch's (%s)", why)
+            logger.warning("CPU kernels: using PyTorch's (%s)", why)
         _state["mod"] = mod
-        _state["amx"] = bool(mod is not None and {"amx_bf16", "amx_tile"} <= flags and mod.amx_available())
+        _state["amx"] = bool(mod is not None and chosen == "amx" and mod.amx_available())
         return mod
+
+
+def _build(source: str):
+    from torch.utils.cpp_extension import load as build
+    here = os.path.join(os.path.dirname(__file__), "cpu")
+    logger.info("building the %s CPU kernels (first run only)", source)
+    return build(name="draftwise_cpu_" + source.split(".")[0], sources=[os.path.join(here, source)],
+                 extra_include_paths=[here], extra_cflags=["-O3", "-fopenmp", *_CFLAGS.get(source, [])],
+                 extra_ldflags=["-fopenmp"], verbose=False)
 
 
 def attention_reads_16bit() -> bool:
@@ -111,16 +183,6 @@ def int4_linear(x_bf16: torch.Tensor, nibbles: torch.Tensor, sm: torch.Tensor, u
     return _call("int4_linear", int4_linear_op, x_bf16, nibbles, sm, use_amx)
 
 
-def dense_linear(x_bf16: torch.Tensor, nibbles: torch.Tensor, sm: torch.Tensor) -> torch.Tensor:
-    """y [M, N] bf16 = x [M, K] (bf16) . W^T with W dequantized to bf16 for this call and a dense
-    bf16 GEMM (ATen's: oneDNN AMX / AVX512-BF16): the many-row path (prefill chunks)."""
-    mod = _state.get("mod") or load()
-    if torch.autograd.profiler._is_profiler_enabled:
-        with torch.profiler.record_function("draftwise::dense_linear"):
-            return mod.layer_linear(x_bf16.contiguous(), nibbles, sm, False, True)
-    return mod.layer_linear(x_bf16.contiguous(), nibbles, sm, False, True)
-
-
 def attend_rows_kernel(q, k_cache, v_cache, plan, scale: float, out: torch.Tensor) -> bool:
     """Row-invariant attention for `plan` (AttentionMetadata.row_plan) in one kernel call; False
     where the kernel does not apply here (then the caller attends row by row with SDPA). Used by
@@ -151,13 +213,11 @@ def attention_kernel_fits(head_dim: int, groups: int, k_cache: torch.Tensor) -> 
 
 
 def row_plan_args(plan):
-    """The kernel's arguments for a row plan, built once per step (every layer shares the plan);
-    None where the kernel is switched off (DRAFTWISE_NO_ATTENTION_KERNEL, an A/B switch for the
-    bench and tests)."""
+    """The kernel's arguments for a row plan, built once per step (every layer shares the plan)."""
     cached = _state.get("plan")
     if cached is not None and cached[0] is plan:
         return cached[1]
-    args = None if os.environ.get("DRAFTWISE_NO_ATTENTION_KERNEL") else _plan_args(plan)
+    args = _plan_args(plan)
     _state["plan"] = (plan, args)
     return args
 
@@ -210,103 +270,3 @@ def int8_linear_op(x: torch.Tensor, q8: torch.Tensor, scale: torch.Tensor, use_a
 @int8_linear_op.register_fake
 def _(x, q8, scale, use_amx):
     return x.new_empty((x.shape[0], q8.shape[0] * 16), dtype=torch.float32)
-
-
-def int4_kernel_choice() -> dict:
-    """Which int4 kernel serves the engine's linears - "draftwise" (this package's) or "aten"
-    (PyTorch's) - for small row counts, and whether draftwise's also serves large ones (prefill)
-    instead of a dense GEMM over dequantized weights. Measured once per machine, torch build, thread
-    count and kernel source on SmolLM2's layer shapes and cached on disk (every run on the machine
-    then computes the same numbers). The cost weighed is decoding plus verifying (1, 8 and 16 rows);
-    it does not depend on whether this engine speculates, because plain decoding and speculation must
-    compute the same numbers. One kernel serves every row count up to the limit, so a row's numbers
-    never depend on how many rows shared its step."""
-    import hashlib
-    # "draftwise" | "draftwise+dense" (long prefill chunks on the dense GEMM) | "aten": skip the measurement
-    forced = os.environ.get("DRAFTWISE_INT4_KERNEL")
-    if forced in ("draftwise", "draftwise+dense", "aten"):
-        if forced != "aten" and load() is None:
-            raise RuntimeError(f"DRAFTWISE_INT4_KERNEL={forced}, but the kernel cannot run here (see the log)")
-        small = "aten" if forced == "aten" else "draftwise"
-        return {"small": small, "large": "draftwise" if forced == "draftwise" else "dense", "int8": small}
-    if "choice" in _state:
-        return _state["choice"]
-    src = os.path.join(os.path.dirname(__file__), "int4_cpu.cpp")
-    with open(src, "rb") as f:
-        digest = hashlib.sha1(f.read()).hexdigest()[:12]
-    costs = cached_measurement("int4_kernel_choice.json", machine_key(digest, torch.get_num_threads()),
-                               _measure_int4_costs)
-    rows = (1, 8, 16)
-
-    def cheaper(ours: str, theirs: str) -> bool:
-        return ours in costs and sum(costs[ours][str(m)] for m in rows) < sum(costs[theirs][str(m)] for m in rows)
-    small = "draftwise" if cheaper("draftwise", "aten") else "aten"
-    large = "draftwise" if "draftwise" in costs and costs["draftwise"]["256"] < costs["dense"]["256"] else "dense"
-    int8 = "draftwise" if cheaper("int8_draftwise", "int8_aten") else "aten"
-    choice = {"small": small, "large": large, "int8": int8}
-    _state["choice"] = choice
-    logger.info("int4 kernel: %s for decode/verification, %s for prefill; int8: %s", 
-                f"draftwise's ({'AMX' if amx() else 'AVX512-BF16'})" if small == "draftwise" else "PyTorch's",
-                "draftwise's" if large == "draftwise" else "a dense GEMM",
-                "draftwise's" if int8 == "draftwise" else "PyTorch's")
-    return choice
-
-
-SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]     # SmolLM2's layer linears (N, K)
-
-
-def _measure_int4_costs(layers: int = 12) -> dict:
-    """Seconds per pass over `layers` SmolLM2-shaped layers (four linears each, distinct weights, ~25 MB
-    of int4 codes: more than the caches hold, as in a real step;
-    decode streams every weight from memory, so a kernel timed on one hot matrix would look faster
-    than it runs), by kernel and row count, p10 of repeated passes."""
-    import time
-    from draftwise.layers.quant_formats import quantize_int4_groupwise
-    g = torch.Generator().manual_seed(0)
-
-    def p10(fn, x_by_k, reps):
-        fn(x_by_k)
-        ts = []
-        for _ in range(reps):
-            t = time.perf_counter()
-            fn(x_by_k)
-            ts.append(time.perf_counter() - t)
-        return sorted(ts)[reps // 10]
-    have = load() is not None
-    mats = []
-    for _ in range(layers):
-        for N, K in SHAPES:
-            codes, scale, mn = quantize_int4_groupwise(torch.randn(N, K, generator=g) * 0.05)
-            sz = torch.stack([scale.to(torch.bfloat16), (mn + 8.0 * scale).to(torch.bfloat16)], -1).transpose(0, 1).contiguous()
-            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 1)
-            mats.append((K, packed, sz, *pack_int4(codes, scale, mn)))
-    fns = {"aten": lambda xs: [torch.ops.aten._weight_int4pack_mm_for_cpu(xs[K], p, 32, sz) for K, p, sz, _, _ in mats],
-           # what the large-row path does: dequantize for the call, then a dense GEMM
-           "dense": lambda xs: [xs[K] @ unpack_int4(nib, sm).to(xs[K].dtype).t() for K, _, _, nib, sm in mats[:4]]}
-    if have:
-        fns["draftwise"] = lambda xs: [int4_linear(xs[K], nib, sm) for K, _, _, nib, sm in mats]
-        # the kernel's own dequantize-to-bf16 + GEMM (what fused layers run for long prefill chunks)
-        fns["dense"] = lambda xs: [dense_linear(xs[K], nib, sm) for K, _, _, nib, sm in mats[:4]]
-    out: dict = {name: {} for name in fns}
-    for m in (1, 8, 16, 256):
-        xs = {K: torch.randn(m, K, generator=g).to(torch.bfloat16) for K in (576, 1536)}
-        for name, fn in fns.items():
-            if name == "aten" and m == 256:
-                continue
-            t = p10(fn, xs, 10 if m < 256 else 3)
-            if name == "dense" or m == 256:      # one layer's worth where only the large path is compared
-                t = t if name == "dense" else t / layers
-            out[name][str(m)] = t
-    del mats
-    # int8 per channel (the LM head and drafter linears), on a slice of an LM head
-    from draftwise.layers.quant_formats import quantize_int8_per_channel
-    q, scale = quantize_int8_per_channel(torch.randn(4096, 576, generator=g) * 0.05)
-    sb = scale.to(torch.bfloat16)
-    fns = {"int8_aten": lambda x: torch.ops.aten._weight_int8pack_mm(x, q, sb)}
-    if have:
-        q8, sf = pack_int8(q), scale.float().contiguous()
-        fns["int8_draftwise"] = lambda x: int8_linear(x, q8, sf)
-    for name, fn in fns.items():
-        out[name] = {str(m): p10(lambda x: fn(x[576]), {576: torch.randn(m, 576, generator=g).to(torch.bfloat16)}, 40)
-                     for m in (1, 8, 16)}
-    return out

@@ -29,9 +29,6 @@ CAUSAL, NONCAUSAL, TREE = "causal", "noncausal", "tree"
 # one batched call; a longer query (a prefill chunk) attends on its own, so a mixed step does not
 # pad every decode row to the prefill chunk's length.
 MAX_BATCHED_QUERY = 16
-# row-invariant mode: causal queries up to this many rows (decode, verification of up to 31 drafts,
-# e.g. suffix decoding's long chains) attend row by row; matches the quantized linears' kernel limit
-MAX_ROW_INVARIANT_QUERY = 32
 
 
 @dataclass
@@ -79,18 +76,16 @@ class AttentionMetadata:
     #   earlier entries are always visible. tree_kv_lens defaults to query_lens (verification);
     #   tree *drafting* passes cover all tree entries written so far.
     tree_kv_lens: list[int] | None = None
-    # row-invariant attention: every query row of a short causal query (decode, chain verification)
-    # attends alone (one SDPA call over exactly its keys, no padding, no mask), exactly as plain
-    # decoding of that token at batch 1 would - so a verified token's K/V and logits do not depend on
-    # how many drafts or requests shared its step (quantized targets round activations to bf16,
-    # which turns last-bit differences into different outputs). Costs one call per row and layer.
+    # row-invariant attention: every query row of a causal query (decode, chain verification,
+    # prefill chunks of any length) attends alone over exactly its keys, with no padding and no
+    # mask, exactly as plain decoding of that token at batch 1 would - so a token's K/V and logits
+    # depend neither on how many drafts or requests shared its step nor on how its prompt was
+    # chunked (quantized targets round activations to bf16, which turns last-bit differences into
+    # different outputs). One kernel call per layer where draftwise's kernels run, else one SDPA
+    # call per row and layer.
     row_invariant: bool = False
     groups: list[AttentionGroup] | None = None   # derived by finalize()
-    row_plan: list | None = None                 # row-invariant short queries (finalize)
-    # rows of requests whose query is longer than MAX_ROW_INVARIANT_QUERY (prefill chunks) and the
-    # other rows, [n] int64 each (None when empty; finalize): the split fused layers compute by
-    long_rows: torch.Tensor | None = None
-    short_rows: torch.Tensor | None = None
+    row_plan: list | None = None                 # row-invariant queries (finalize)
 
     @property
     def num_reqs(self) -> int:
@@ -104,10 +99,8 @@ class AttentionMetadata:
         # over the context and its ancestors: the keys plain decoding of that path would have)
         rows_alone = self.row_invariant and (self.mask_kind == CAUSAL
                                              or (self.mask_kind == TREE and self.tree_kv_lens is None))
-        limit = MAX_ROW_INVARIANT_QUERY if rows_alone else MAX_BATCHED_QUERY
-        short = [r for r in range(R) if self.query_lens[r] <= limit]
-        long_ = [r for r in range(R) if self.query_lens[r] > limit]
-        self._split_rows()
+        short = [r for r in range(R) if rows_alone or self.query_lens[r] <= MAX_BATCHED_QUERY]
+        long_ = [r for r in range(R) if not rows_alone and self.query_lens[r] > MAX_BATCHED_QUERY]
         self.row_plan = None
         if rows_alone:
             self.row_plan = self._row_plan(short)
@@ -128,15 +121,6 @@ class AttentionMetadata:
             rows = torch.cat([torch.arange(starts[r], starts[r + 1]) for r in reqs]).to(dev)
             self.groups.append(self._group(reqs, rows))
         return self
-
-    def _split_rows(self) -> None:
-        dev = self.block_tables.device
-        long_rows, short_rows, start = [], [], 0
-        for q in self.query_lens:
-            (long_rows if q > MAX_ROW_INVARIANT_QUERY else short_rows).append(torch.arange(start, start + q))
-            start += q
-        self.long_rows = torch.cat(long_rows).to(dev) if long_rows else None
-        self.short_rows = torch.cat(short_rows).to(dev) if short_rows else None
 
     def _row_plan(self, reqs: list[int]) -> list:
         """Row-invariant mode: (first row, seq_len of each row, key slots of the longest) for each
@@ -245,14 +229,11 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 def attend_cached(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                  scale: float, keep_16bit: bool = False) -> torch.Tensor:
+                  scale: float) -> torch.Tensor:
     """Attention of q over the caches, the step's own K/V already written (paged_attention after
-    its write; the fused int4 layer writes K/V itself). A first prefill chunk over a bf16 cache
-    attends in bf16; `keep_16bit` returns that result as it is (a caller that rounds it to bf16
-    anyway), otherwise the output has q's dtype."""
+    its write; the fused int4 layer writes K/V itself). The output has q's dtype."""
     if len(meta.groups) == 1 and not meta.row_plan:
-        out = _attend_group(q, k_cache, v_cache, meta.groups[0], scale)
-        return out if keep_16bit else out.to(q.dtype)
+        return _attend_group(q, k_cache, v_cache, meta.groups[0], scale).to(q.dtype)
     out = torch.empty_like(q)
     for g in meta.groups:
         out[g.token_rows] = _attend_group(q[g.token_rows], k_cache, v_cache, g, scale).to(q.dtype)

@@ -10,16 +10,12 @@ linear of a layer runs on draftwise's int4 kernel, the layer runs as
     x = attn_out_mlp(x, o)                     o_proj + residual -> RMSNorm -> gate/up -> SiLU * up
                                                -> down + residual
 
-(`draftwise/kernels/int4_cpu.cpp`). Every row is computed alone in a fixed order, as the int4 kernel
-and the row-invariant attention are, so a token's values do not depend on how many rows share the
-step: speculation stays bit-exact with plain decoding. The RoPE cos / sin rows of a step are looked
-up once for all layers. Qwen3's q/k norms and attention biases keep the eager path.
-
-Rows of long prefill chunks (a request's query longer than the row-invariant limit, the rows the
-attention also treats as a chunk) run, where it measured faster than the exact kernel, a bf16 GEMM
-over the weights dequantized for the call (`dense_prefill`: ~3x the exact kernel's rate on AMX for
-a 1,000-token prompt) and a first chunk attends in bf16. Decode, verification and drafting rows
-never take that path, whatever else shares their step."""
+(`draftwise/kernels/cpu/layer.h`, on every ISA's kernels). Every row is computed alone in a fixed
+order, as the int4 kernel and the row-invariant attention are, so a token's values do not depend on
+how many rows share the step - decode, verification, drafting and prefill chunks of any length
+alike: speculation stays bit-exact with plain decoding, and a prompt's K/V do not depend on how it
+was chunked. The RoPE cos / sin rows of a step are looked up once for all layers. Qwen3's q/k norms
+and attention biases keep the eager path."""
 from __future__ import annotations
 
 import contextlib
@@ -36,8 +32,6 @@ class FusedLayerWeights:
     gate_up: tuple[torch.Tensor, torch.Tensor]
     down: tuple[torch.Tensor, torch.Tensor]
     use_amx: bool
-    dense_prefill: bool       # rows of long prefill chunks run a bf16 GEMM over the weight dequantized
-    #   for the call (measured faster here than the exact kernel for many rows); other rows never do
 
 
 def fusable(layer) -> FusedLayerWeights | None:
@@ -51,7 +45,7 @@ def fusable(layer) -> FusedLayerWeights | None:
     if len({m.use_amx for m in lins}) != 1 or attn.head_dim % 2:
         return None
     packed = [(m.kernel_nibbles, m.kernel_sm) for m in lins]
-    return FusedLayerWeights(*packed, lins[0].use_amx, not all(m.draftwise_large for m in lins))
+    return FusedLayerWeights(*packed, lins[0].use_amx)
 
 
 def enable_fused_layers(model) -> int:
@@ -78,10 +72,7 @@ def fused_rope_rows(model, positions: torch.Tensor, x: torch.Tensor, meta):
 
 
 def fused_layer_forward(layer, x: torch.Tensor, rope_rows, meta, kv_cache) -> torch.Tensor:
-    """One layer. Rows of long prefill chunks (meta.long_rows) and the others (decode,
-    verification, drafting, short chunks: meta.short_rows) may run different linears
-    (FusedLayerWeights.dense_prefill); a step holding both computes each set in its own calls, so
-    a row's arithmetic never depends on what else shared the step."""
+    """One layer: attn_in -> attention over the cache -> attn_out_mlp."""
     from draftwise.kernels import load
     from draftwise.layers.attention import attend_cached
     mod, w, attn = load(), layer.fused, layer.self_attn
@@ -89,41 +80,20 @@ def fused_layer_forward(layer, x: torch.Tensor, rope_rows, meta, kv_cache) -> to
     cos, sin = rope_rows
     k_cache, v_cache = kv_cache.layer(attn.layer_idx)
     x = x.contiguous()
-    # (rows, dense) per call: all rows at once (None), or each kind of row in its own calls
-    if not w.dense_prefill or meta.long_rows is None:
-        parts = [(None, False)]
-    elif meta.short_rows is None:
-        parts = [(None, True)]
-    else:
-        parts = [(meta.long_rows, True), (meta.short_rows, False)]
-
-    def rows(t, idx):
-        return t if idx is None else t.index_select(0, idx)
-
     with _label("draftwise::attn_in"):
-        qs = [mod.attn_in(rows(x, idx), layer.input_layernorm.weight, layer.input_layernorm.eps, *w.qkv, w.use_amx,
-                          rows(cos, idx), rows(sin, idx), attn.num_heads, attn.num_kv_heads, D,
-                          rows(meta.slot_mapping, idx), k_cache, v_cache, dense) for idx, dense in parts]
-    q = qs[0] if len(parts) == 1 else torch.empty(T, qs[0].shape[1]).index_copy_(0, parts[0][0], qs[0]) \
-        .index_copy_(0, parts[1][0], qs[1])
-    # a bf16 result of the attention goes to the kernel as it is (it rounds its input to bf16)
-    o = attend_cached(q.view(T, attn.num_heads, D), k_cache, v_cache, meta, attn.scale, keep_16bit=True)
-    o = o.reshape(T, attn.q_size)
+        q = mod.attn_in(x, layer.input_layernorm.weight, layer.input_layernorm.eps, *w.qkv, w.use_amx, cos, sin,
+                        attn.num_heads, attn.num_kv_heads, D, meta.slot_mapping, k_cache, v_cache)
+    o = attend_cached(q.view(T, attn.num_heads, D), k_cache, v_cache, meta, attn.scale).reshape(T, attn.q_size)
     with _label("draftwise::attn_out_mlp"):
-        outs = [mod.attn_out_mlp(rows(x, idx), rows(o, idx).contiguous(), *w.o, layer.post_attention_layernorm.weight,
-                                 layer.post_attention_layernorm.eps, *w.gate_up, *w.down, w.use_amx, dense)
-                for idx, dense in parts]
-    if len(parts) == 1:
-        return outs[0]
-    return torch.empty_like(x).index_copy_(0, parts[0][0], outs[0]).index_copy_(0, parts[1][0], outs[1])
+        return mod.attn_out_mlp(x, o.contiguous(), *w.o, layer.post_attention_layernorm.weight,
+                                layer.post_attention_layernorm.eps, *w.gate_up, *w.down, w.use_amx)
 
 
 def fused_stack_forward(model, x: torch.Tensor, rope_rows, meta, kv_cache, capture: tuple[int, ...]):
     """Every layer of a step in one C++ call where all its rows attend row by row (decode, chain and
     tree verification: meta.row_plan covers the step) - the per-layer path's calls in the same
     order, without ~40 us of Python per layer. Returns (x after the stack, {layer: x before it} for
-    `capture`), or None where the step needs the per-layer path (prefill chunks, DFlash blocks,
-    tree drafting, the attention kernel switched off)."""
+    `capture`), or None where the step needs the per-layer path (DFlash blocks, tree drafting)."""
     from draftwise.kernels import row_plan_args
     if meta.groups or not meta.row_plan:
         return None

@@ -128,12 +128,6 @@ class BucketedGraph:
         dyn = min(self.max_tokens, max(self.static_sizes) * 2 + DYNAMIC_PAD)
         if dyn > max(self.static_sizes):
             sizes.append(bucket_for(dyn, self.static_sizes))
-        # quantized linears branch on the row count (kernel up to MAX_KERNEL_ROWS, dense above):
-        # the dynamic graph is warmed on both sides so neither guard recompiles while serving
-        from draftwise.layers.quant import MAX_KERNEL_ROWS
-        big = bucket_for(max(dyn, MAX_KERNEL_ROWS) + 1, self.static_sizes)
-        if dyn > max(self.static_sizes) and big[0] <= self.max_tokens and big not in sizes:
-            sizes.append(big)
         for size, static in sizes:
             t0 = time.perf_counter()
             tensors = make_inputs(size)

@@ -188,22 +188,21 @@ def test_row_invariant_attention_equals_decoding_each_row_alone(n):
 
 
 def test_row_invariant_attention_with_a_prefill_in_the_same_step():
-    """A long prefill sharing the step with row-invariant decode rows: the prefill attends as its
-    own group (over its own rows only), the decode rows one by one, and together they give what
-    ordinary grouped attention gives."""
+    """A long prefill sharing the step with decode rows in row-invariant mode: every row of both
+    attends alone (no group), and together they give what ordinary grouped attention gives."""
     import draftwise.layers.attention as A
     torch.manual_seed(1)
     bs, Hkv, H, D = 4, 2, 4, 8
     bt = torch.arange(24).view(2, 12)
     kc, vc = torch.randn(24 * bs, Hkv, D), torch.randn(24 * bs, Hkv, D)
-    qlens, slens = [A.MAX_ROW_INVARIANT_QUERY + 8, 2], [A.MAX_ROW_INVARIANT_QUERY + 8, 30]
+    qlens, slens = [40, 2], [40, 30]
     T = sum(qlens)
     q, k, v = torch.randn(T, H, D), torch.randn(T, Hkv, D), torch.randn(T, Hkv, D)
     req = torch.tensor([0] * qlens[0] + [1] * qlens[1])
     pos = torch.cat([torch.arange(qlens[0]), torch.arange(28, 30)])
     slots = A.slots_for_positions(bt, req, pos, bs)
     inv = AttentionMetadata(slots, qlens, slens, bt, bs, CAUSAL, row_invariant=True).finalize()
-    assert len(inv.groups) == 1 and inv.groups[0].token_rows is not None and inv.row_plan
+    assert not inv.groups and inv.row_plan
     out = A.paged_attention(q, k, v, kc.clone(), vc.clone(), inv, 0.3)
     ref = A.paged_attention(q, k, v, kc.clone(), vc.clone(),
                             AttentionMetadata(slots, qlens, slens, bt, bs, CAUSAL).finalize(), 0.3)

@@ -1,17 +1,25 @@
-"""draftwise's int4 CPU kernel (AVX512-BF16 dot products / AMX tiles): equal to its fp32 reference,
-every row's numbers independent of how many rows share the call (so speculation stays bit-exact),
-packing round-trips, the measured choice is well-formed, and speculation on an int4 target that runs
-on it is greedy-identical to plain decoding. Skipped where the CPU has no AVX512-BF16 (PyTorch's
-kernel then serves int4, covered by test_quant.py)."""
+"""draftwise's CPU kernels, on every ISA path this machine has (forced with DRAFTWISE_ISA): the int4
+and int8 linears equal their fp64 reference, every row's numbers independent of how many rows share
+the call (so speculation stays bit-exact), packing round-trips, the row-invariant attention and the
+argmax, and speculation on an int4 target that runs on them greedy-identical to plain decoding.
+Paths the CPU lacks are skipped with the reason (the `kernel_isa` fixture lists those it has)."""
+import logging
+
 import pytest
 import torch
 
 from draftwise import LLM, SamplingParams, kernels
-from draftwise.layers.quant import quantize_int4_groupwise
+from draftwise.layers.quant import quantize_int4_groupwise, quantize_int8_per_channel
 
-needs_kernel = pytest.mark.skipif(kernels.load() is None, reason="no AVX512-BF16 CPU or no compiler: "
-                                  "PyTorch's int4 kernel is used instead")
-PATHS = [False] + ([True] if kernels.load() is not None and kernels.amx() else [])
+
+@pytest.fixture
+def isa_kernels(kernel_isa):
+    """The kernel module of each compiled ISA path here (amx, avx512, avx2 where the CPU has them)."""
+    if kernel_isa == "none":
+        pytest.skip("DRAFTWISE_ISA=none runs PyTorch's kernels (tests/layers/test_quant.py)")
+    if kernels.load() is None:
+        pytest.skip(f"the {kernel_isa} kernels could not be built here (no compiler?)")
+    return kernel_isa
 
 
 def _weights(N=96, K=128, seed=0):
@@ -29,10 +37,9 @@ def test_pack_unpack_round_trip():
     torch.testing.assert_close(kernels.unpack_int4(nib, sm), ref, atol=1e-6, rtol=1e-6)
 
 
-@needs_kernel
-@pytest.mark.parametrize("use_amx", PATHS)
-@pytest.mark.parametrize("rows", [1, 5, 16, 17, 40, 300])
-def test_kernel_equals_reference_and_rows_are_independent(use_amx, rows):
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 16, 17, 40, 300])
+def test_kernel_equals_reference_and_rows_are_independent(isa_kernels, rows):
+    use_amx = kernels.amx()
     codes, scale, mn = _weights()
     nib, sm = kernels.pack_int4(codes, scale, mn)
     x = torch.randn(rows, 128).to(torch.bfloat16)
@@ -43,10 +50,24 @@ def test_kernel_equals_reference_and_rows_are_independent(use_amx, rows):
         assert torch.equal(kernels.int4_linear(x[r:r + 1], nib, sm, use_amx)[0], y[r])
 
 
-@needs_kernel
-def test_amx_and_avx512_paths_agree():
-    if len(PATHS) < 2:
-        pytest.skip("no AMX here")
+@pytest.mark.parametrize("rows", [1, 3, 4, 17])
+def test_int8_kernel_equals_reference_and_rows_are_independent(isa_kernels, rows):
+    g = torch.Generator().manual_seed(4)
+    q, s = quantize_int8_per_channel(torch.randn(64, 96, generator=g) * 0.05)
+    q8, sf = kernels.pack_int8(q), s.float().contiguous()
+    x = torch.randn(rows, 96, generator=g).to(torch.bfloat16)
+    y = kernels.int8_linear(x, q8, sf)
+    ref = x.double() @ (q.double() * sf.double()[:, None]).t()
+    torch.testing.assert_close(y.double(), ref, atol=1e-5, rtol=1e-4)
+    for r in {0, rows - 1}:
+        assert torch.equal(kernels.int8_linear(x[r:r + 1], q8, sf)[0], y[r])
+
+
+def test_amx_and_avx512_paths_agree(kernel_isa):
+    if kernel_isa != "amx":
+        pytest.skip("compares AMX with AVX512-BF16: needs an AMX CPU" if kernel_isa == "none" else "AMX case only")
+    if not kernels.amx():
+        pytest.skip("the OS does not grant the AMX tile state")
     codes, scale, mn = _weights(N=160, K=256, seed=3)
     nib, sm = kernels.pack_int4(codes, scale, mn)
     x = torch.randn(9, 256).to(torch.bfloat16)
@@ -54,16 +75,31 @@ def test_amx_and_avx512_paths_agree():
                                atol=1e-4, rtol=1e-4)
 
 
-def test_choice_is_well_formed():
-    c = kernels.int4_kernel_choice()
-    assert c["small"] in ("draftwise", "aten") and c["large"] in ("draftwise", "dense")
-    if kernels.load() is None:
-        assert c == {"small": "aten", "large": "dense"}
+def test_isa_dispatch(monkeypatch, caplog):
+    """DRAFTWISE_ISA picks the path; a name it does not know, or an ISA the CPU lacks, falls back to
+    the best the CPU has with a warning; `none` loads no module."""
+    best = kernels.cpu_isa()
+    try:
+        for value, want in [("none", "none"), ("bogus", best), ("", best), ("auto", best)]:
+            monkeypatch.setenv("DRAFTWISE_ISA", value)
+            kernels.reset()
+            with caplog.at_level(logging.WARNING, logger="draftwise"):
+                assert kernels.isa() == want
+            if value == "bogus":
+                assert "DRAFTWISE_ISA=bogus" in caplog.text
+        if best != "amx":
+            monkeypatch.setenv("DRAFTWISE_ISA", "amx")
+            kernels.reset()
+            assert kernels.isa() == best
+        monkeypatch.setenv("DRAFTWISE_ISA", "none")
+        kernels.reset()
+        assert kernels.load() is None and not kernels.amx()
+    finally:
+        monkeypatch.delenv("DRAFTWISE_ISA")
+        kernels.reset()
 
 
-@needs_kernel
-def test_speculation_on_the_kernel_is_lossless(tiny_llama, monkeypatch):
-    monkeypatch.setenv("DRAFTWISE_INT4_KERNEL", "draftwise")
+def test_speculation_on_the_kernel_is_lossless(isa_kernels, tiny_llama):
     path, _ = tiny_llama
     greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     prompts = [{"prompt_token_ids": p} for p in ([5, 6, 7, 8, 9, 10, 11], [3] * 20, list(range(30, 70)), [7, 7, 7])]
@@ -77,10 +113,9 @@ def test_speculation_on_the_kernel_is_lossless(tiny_llama, monkeypatch):
         assert llm.get_metrics()["spec_decode"]["num_drafts"] > 0
 
 
-@needs_kernel
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("ctx,n", [(40, 1), (40, 7), (70, 24)])
-def test_row_invariant_attention_kernel(ctx, n, cache_dtype, monkeypatch):
+@pytest.mark.parametrize("ctx,n", [(40, 1), (40, 7), (70, 24), (0, 50)])
+def test_row_invariant_attention_kernel(isa_kernels, ctx, n, cache_dtype, monkeypatch):
     """The C++ row-invariant attention equals SDPA row by row (to rounding) and, bit for bit, the
     same rows decoded one at a time - on an fp32 cache, and on a 16-bit one (read widened in
     registers: bit-equal to an fp32 cache holding the same values)."""
@@ -102,12 +137,11 @@ def test_row_invariant_attention_kernel(ctx, n, cache_dtype, monkeypatch):
     assert torch.equal(out, alone)
     if cache_dtype != torch.float32:
         assert torch.equal(out, A.paged_attention(q, k, v, kc.float(), vc.float(), meta, 0.125))
-    monkeypatch.setenv("DRAFTWISE_NO_ATTENTION_KERNEL", "1")
+    monkeypatch.setattr(kernels, "attend_rows_kernel", lambda *a: False)      # one SDPA call per row instead
     torch.testing.assert_close(out, A.paged_attention(q, k, v, kc, vc, meta, 0.125), atol=2e-6, rtol=1e-5)
 
 
-@needs_kernel
-def test_row_argmax_equals_torch_argmax():
+def test_row_argmax_equals_torch_argmax(isa_kernels):
     """The first maximum of every row, as torch.argmax picks it: ties, NaN, odd widths, one row."""
     g = torch.Generator().manual_seed(0)
     for M, V in [(1, 49152), (16, 49152), (9, 37), (3, 16), (5, 15)]:
@@ -119,33 +153,15 @@ def test_row_argmax_equals_torch_argmax():
         assert torch.equal(kernels.row_argmax(x), x.argmax(-1)), (M, V)
 
 
-@needs_kernel
-@pytest.mark.parametrize("use_amx", PATHS)
 @pytest.mark.parametrize("rows", [17, 40, 300])
-def test_many_rows_in_wide_column_blocks_equal_single_rows(use_amx, rows):
+def test_many_rows_in_wide_column_blocks_equal_single_rows(isa_kernels, rows):
     """With the column blocks a multiple of four, many rows run the AMX kernel's wide path (four
     column blocks per row tile): every row bit-equal to the same row computed alone."""
     codes, scale, mn = _weights(N=128, K=192, seed=5)
     nib, sm = kernels.pack_int4(codes, scale, mn)
     x = torch.randn(rows, 192).to(torch.bfloat16)
+    use_amx = kernels.amx()
     y = kernels.int4_linear(x, nib, sm, use_amx)
     alone = torch.cat([kernels.int4_linear(x[r:r + 1], nib, sm, use_amx) for r in range(rows)])
     assert torch.equal(y, alone)
     torch.testing.assert_close(y.double(), x.double() @ kernels.unpack_int4(nib, sm).double().t(), atol=2e-4, rtol=1e-4)
-
-
-@needs_kernel
-def test_dense_prefill_linear_is_the_bf16_rounded_weight():
-    """The many-row path: the weight dequantized to bf16 (each value rounded once from its exact
-    fp32 value) and a bf16 GEMM, close to the exact kernel."""
-    codes, scale, mn = _weights(N=96, K=128, seed=7)
-    nib, sm = kernels.pack_int4(codes, scale, mn)
-    w = kernels.load().dequant_bf16_kn(nib, sm)                      # [K, N]
-    exact = kernels.unpack_int4(nib, sm).t()
-    assert w.dtype == torch.bfloat16 and w.shape == (128, 96)
-    assert ((w.float() - exact).abs() <= exact.abs() * 2 ** -8 + 1e-30).all()
-    x = torch.randn(70, 128).to(torch.bfloat16)
-    y = kernels.dense_linear(x, nib, sm)
-    ref = (x.double() @ w.double()).float()
-    torch.testing.assert_close(y.float(), ref, atol=2e-2, rtol=1e-2)
-    torch.testing.assert_close(y.float(), kernels.int4_linear(x, nib, sm), atol=3e-2, rtol=3e-2)

@@ -10,47 +10,19 @@
 //     and group of 32 inputs.
 // Each output row's arithmetic is the same whatever the number of rows in the call (rows are tiled
 // independently and accumulate in the same order), so a token's logits do not depend on how many
-// drafts were verified beside it: speculation stays bit-exact with plain decoding.
+// drafts were verified beside it: speculation stays bit-exact with plain decoding. The AMX and the
+// AVX512-BF16 paths differ in rounding; one engine uses one of them for every row count.
 //
-// Packed layout (made by draftwise/kernels/__init__.py from codes [N, K], scale and minimum):
-//   nibbles: uint8 [N/16, K/2, 16], byte j of pair p = code[n0+j][2p] | code[n0+j][2p+1] << 4
-//   sm:      fp16 [N/16, K/32, 2, 16]: the group's 16 scales, then its 16 minimums (GGUF Q4_1 stores
-//            both in fp16: exact); the kernel forms minimum - 128 * scale in fp32
+// Layouts: common.h. The kernel forms minimum - 128 * scale in fp32 (see unpack_pairs).
 // ATen and the Python bindings only (not torch/extension.h, which pulls in all of libtorch's C++ API
 // and makes the first-run build ~40 % slower)
-#include <ATen/ATen.h>
-#include <torch/python.h>
-#include <ATen/Parallel.h>
-#include <ATen/record_function.h>
-#include <immintrin.h>
+#include "common.h"
 #include <sys/syscall.h>
 #include <unistd.h>
-#include <algorithm>
-#include <cmath>
-#include <cstdint>
-#include <cstdlib>
-#include <cstring>
 #include <memory>
-#include <vector>
 
+namespace draftwise {
 namespace {
-
-// rows [0, M) in parallel chunks of at least ROW_GRAIN rows (fewer run on the calling thread); each
-// row's arithmetic is the same whichever thread does it
-constexpr int64_t ROW_GRAIN = 8;
-template <typename F>
-void for_rows(int64_t M, const F& f) {
-  at::parallel_for(0, M, ROW_GRAIN, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) f(r);
-  });
-}
-
-constexpr int NB = 16;   // output columns per block
-// software prefetch distance of the weight streams: 2 KB (~ DRAM latency x one core's bandwidth);
-// measured on SmolLM2's LM head at one row: 6.3 ms with none, 4.2 at 512 B, 3.3 at 2 KB (1 thread)
-constexpr int PREFETCH_BYTES = 2048;
-constexpr int GROUP = 32;
-constexpr int PAIRS = GROUP / 2;
 
 #define AVX512BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
 #define AMXBF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,amx-tile,amx-bf16")))
@@ -482,104 +454,6 @@ torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& nibbles, 
   return y;
 }
 
-// --- long prefill chunks: dequantize to bf16 once per call, then a dense bf16 GEMM -----------------
-// For hundreds of rows the exact per-group scaling above is bound by moving every group's partial
-// products out of the tile registers; ATen's bf16 GEMM (oneDNN: AMX or AVX512-BF16 microkernels)
-// runs ~3x faster on the weight rounded to bf16. Only rows of long prefill chunks take this path
-// (the caller decides by the request's query length, never by the step's total rows), so decode and
-// verification rows keep the exact kernel and stay bit-exact with each other.
-namespace {
-
-// w[k][n] = bf16((128 + code) * scale + (minimum - 128 * scale)) for one block of 16 columns
-AVX512BF16 void dequant_block_kn(const uint8_t* pk, const uint16_t* sm, int K, uint16_t* w, int64_t N) {
-  const int G = K / GROUP;
-  const __m512i lo_mask = _mm512_set1_epi32(0x0F);
-  for (int g = 0; g < G; ++g) {
-    __m512 s, m;
-    load_sm(sm, g, s, m);
-    for (int p = g * PAIRS; p < (g + 1) * PAIRS; ++p) {
-      const __m512i d = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(pk + p * NB)));
-      const __m512 q0 = _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_and_si512(d, lo_mask), _mm512_set1_epi32(128)));
-      const __m512 q1 = _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_srli_epi32(d, 4), _mm512_set1_epi32(128)));
-      const __m256bh w0 = _mm512_cvtneps_pbh(_mm512_fmadd_ps(q0, s, m));
-      const __m256bh w1 = _mm512_cvtneps_pbh(_mm512_fmadd_ps(q1, s, m));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(w + static_cast<int64_t>(2 * p) * N), reinterpret_cast<const __m256i&>(w0));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(w + static_cast<int64_t>(2 * p + 1) * N), reinterpret_cast<const __m256i&>(w1));
-    }
-  }
-}
-
-}  // namespace
-
-// the packed int4 weight as bf16 [K, N] (each value rounded once from its exact fp32 dequantization)
-torch::Tensor dequant_bf16_kn(const torch::Tensor& nibbles, const torch::Tensor& sm) {
-  TORCH_CHECK(nibbles.dim() == 3 && nibbles.size(2) == NB && nibbles.scalar_type() == torch::kUInt8, "nibbles layout");
-  TORCH_CHECK(sm.scalar_type() == torch::kHalf && sm.is_contiguous(), "sm: contiguous fp16");
-  const int blocks = nibbles.size(0), K = nibbles.size(1) * 2, N = blocks * NB, G = K / GROUP;
-  auto w = at::empty({K, N}, nibbles.options().dtype(torch::kBFloat16));
-  const uint8_t* pk = nibbles.data_ptr<uint8_t>();
-  const uint16_t* smp = reinterpret_cast<const uint16_t*>(sm.data_ptr<at::Half>());
-  uint16_t* wp = reinterpret_cast<uint16_t*>(w.data_ptr<at::BFloat16>());
-  at::parallel_for(0, blocks, 4, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b)
-      dequant_block_kn(pk + b * (K / 2) * NB, smp + b * G * 2 * NB, K, wp + b * NB, N);
-  });
-  return w;
-}
-
-namespace {
-
-// n bf16 values -> fp32 (exact)
-AVX512BF16 void widen_bf16(const uint16_t* src, float* dst, int64_t n) {
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16)
-    _mm512_storeu_ps(dst + i, _mm512_castsi512_ps(_mm512_slli_epi32(
-        _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i))), 16)));
-  for (; i < n; ++i) {
-    const uint32_t bits = static_cast<uint32_t>(src[i]) << 16;
-    std::memcpy(dst + i, &bits, 4);
-  }
-}
-
-// y [M, N] bf16 = x [M, K] bf16 . w [K, N] bf16: row chunks in parallel, one single-threaded GEMM
-// each (ATen's GEMM splits these small weights poorly across threads)
-torch::Tensor dense_rows(const torch::Tensor& x, const torch::Tensor& w) {
-  const int64_t M = x.size(0), N = w.size(1);
-  auto y = at::empty({M, N}, x.options().dtype(torch::kBFloat16));
-  const int64_t threads = at::get_num_threads();
-  const int64_t chunk = std::max<int64_t>(64, (M + threads - 1) / threads);
-  const bool inference = c10::InferenceMode::is_enabled();
-  at::parallel_for(0, (M + chunk - 1) / chunk, 1, [&](int64_t c0, int64_t c1) {
-    c10::InferenceMode guard(inference);             // the caller's mode on pool threads too
-    for (int64_t c = c0; c < c1; ++c) {
-      const int64_t r0 = c * chunk, r1 = std::min(M, r0 + chunk);
-      auto part = y.slice(0, r0, r1);
-      at::mm_out(part, x.slice(0, r0, r1), w);
-    }
-  });
-  return y;
-}
-
-// row r of a linear's output as fp32: in place (the int4 kernel's fp32) or widened into buf (the
-// dense path's bf16), so consumers read either without a whole-tensor conversion pass
-inline const float* out_row(const torch::Tensor& t, int64_t r, std::vector<float>& buf) {
-  const int64_t w = t.size(1);
-  if (t.scalar_type() == torch::kFloat) return t.data_ptr<float>() + r * w;
-  buf.resize(w);
-  widen_bf16(reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>()) + r * w, buf.data(), w);
-  return buf.data();
-}
-
-}  // namespace
-
-// the linear a fused layer runs: the exact int4 kernel (fp32 out), or (dense) the bf16 GEMM of long
-// prefill chunks (bf16 out)
-torch::Tensor layer_linear(const torch::Tensor& h, const torch::Tensor& nibbles, const torch::Tensor& sm, bool use_amx,
-                           bool dense) {
-  if (!dense) return int4_linear(h, nibbles, sm, use_amx);
-  return dense_rows(h, dequant_bf16_kn(nibbles, sm));
-}
-
 // --- row-invariant attention ------------------------------------------------------------------------
 // Every query row attends alone over exactly its own keys (no padding, no mask), with a fixed order
 // of operations, so a verified token's attention output is bit for bit what decoding it alone gives
@@ -755,19 +629,8 @@ void attend_rows(const torch::Tensor& q, const torch::Tensor& k_cache, const tor
   else TORCH_CHECK(false, "attend_rows: cache dtype must be fp32, bf16 or fp16");
 }
 
-// --- a decoder layer's elementwise work fused around the int4 linears ------------------------------
-// One call does what ~25 eager PyTorch ops per layer did (RMSNorm, the bf16 cast, RoPE, SiLU-and-mul,
-// the residual adds). Every row is computed alone, in a fixed order, so a row's values do not depend
-// on the other rows of the call (speculation stays bit-exact with plain decoding).
+// --- a decoder layer's elementwise work (layer.h calls these) -------------------------------------
 namespace {
-
-// fp32 -> bf16, round to nearest even (as at::BFloat16's conversion; inputs are finite)
-inline uint16_t to_bf16(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  u += 0x7FFFu + ((u >> 16) & 1u);
-  return static_cast<uint16_t>(u >> 16);
-}
 
 // n fp32 values -> bf16, round to nearest even, 16 at a time (the same results as to_bf16)
 AVX512BF16 void to_bf16_n(const float* src, uint16_t* dst, int64_t n) {
@@ -781,12 +644,6 @@ AVX512BF16 void to_bf16_n(const float* src, uint16_t* dst, int64_t n) {
 
 
 // out[r] = bf16(w * (x[r] / rms(x[r])))
-AVX512F void rms_norm_row_bf16(const float* x, const float* w, int r, int H, float eps, uint16_t* out);
-
-void rms_norm_rows_bf16(const float* x, const float* w, int M, int H, float eps, uint16_t* out) {
-  for_rows(M, [&](int64_t r) { rms_norm_row_bf16(x, w, static_cast<int>(r), H, eps, out); });
-}
-
 AVX512F void rms_norm_row_bf16(const float* x, const float* w, int r, int H, float eps, uint16_t* out) {
   {
     const float* xr = x + static_cast<int64_t>(r) * H;
@@ -827,170 +684,7 @@ AVX512F void silu_mul_row(const float* gu, int I, uint16_t* out) {
   for (; i < I; ++i) out[i] = to_bf16(g[i] / (1.0f + std::exp(-g[i])) * u[i]);
 }
 
-// neox-layout rotary embedding of `nh` heads of one row in place: x[i] * cos[i] + rot(x)[i] * sin[i]
-inline void rope_row(float* x, int nh, int D, const float* cos, const float* sin) {
-  const int half = D / 2;
-  for (int h = 0; h < nh; ++h) {
-    float* xh = x + h * D;
-    for (int i = 0; i < half; ++i) {
-      const float a = xh[i], b = xh[i + half];
-      const float lo = a * cos[i], lo_r = -b * sin[i];
-      const float hi = b * cos[i + half], hi_r = a * sin[i + half];
-      xh[i] = lo + lo_r;
-      xh[i + half] = hi + hi_r;
-    }
-  }
-}
-
 }  // namespace
-
-// K or V rows (fp32, [M, nkv*D]) into their cache slots, converted to the cache dtype (round to
-// nearest even: what a tensor .to(dtype) copy gives)
-void write_cache_rows(const float* src, int M, int64_t width, const int64_t* slots, torch::Tensor& cache) {
-  const auto dt = cache.scalar_type();
-  for_rows(M, [&](int64_t r) {
-    const float* row = src + r * width;
-    const int64_t off = slots[r] * width;
-    if (dt == torch::kFloat) {
-      std::memcpy(cache.data_ptr<float>() + off, row, sizeof(float) * width);
-    } else if (dt == torch::kBFloat16) {
-      to_bf16_n(row, reinterpret_cast<uint16_t*>(cache.data_ptr<at::BFloat16>()) + off, width);
-    } else {
-      at::Half* o = cache.data_ptr<at::Half>() + off;
-      for (int64_t i = 0; i < width; ++i) o[i] = static_cast<at::Half>(row[i]);
-    }
-  });
-}
-
-// The attention block's input side: h = RMSNorm(x) -> bf16 -> q|k|v = int4 linear -> RoPE on q and k,
-// then k and v written to their cache slots. x [M, H] fp32; cos / sin [M, D] (the rows' positions);
-// slots [M] int64; caches [S, nkv, D] (fp32 / bf16 / fp16). Returns q [M, nq*D] fp32.
-torch::Tensor attn_in(const torch::Tensor& x, const torch::Tensor& norm_w, double eps,
-                      const torch::Tensor& nibbles, const torch::Tensor& sm, bool use_amx,
-                      const torch::Tensor& cos, const torch::Tensor& sin, int64_t nq, int64_t nkv, int64_t D,
-                      const torch::Tensor& slots, torch::Tensor k_cache, torch::Tensor v_cache, bool dense) {
-  TORCH_CHECK(slots.scalar_type() == torch::kLong && slots.is_contiguous() && slots.size(0) == x.size(0),
-              "slots: contiguous int64 [M]");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.size(1) * k_cache.size(2) == nkv * D &&
-              k_cache.scalar_type() == v_cache.scalar_type(), "caches: contiguous [S, nkv, D], one dtype");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous(), "x: contiguous fp32 [M, H]");
-  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.size(1) == D, "cos / sin: contiguous [M, D]");
-  const int M = x.size(0), H = x.size(1);
-  auto h = at::empty({M, H}, x.options().dtype(torch::kBFloat16));
-  rms_norm_rows_bf16(x.data_ptr<float>(), norm_w.data_ptr<float>(), M, H, static_cast<float>(eps),
-                     reinterpret_cast<uint16_t*>(h.data_ptr<at::BFloat16>()));
-  auto qkv = layer_linear(h, nibbles, sm, use_amx, dense);          // [M, (nq + 2 nkv) D]
-  const int64_t W = (nq + 2 * nkv) * D;
-  TORCH_CHECK(qkv.size(1) == W, "qkv width");
-  auto q = at::empty({M, nq * D}, x.options());
-  std::vector<float> k(static_cast<size_t>(M) * nkv * D), v(static_cast<size_t>(M) * nkv * D);
-  float* qp = q.data_ptr<float>();
-  for_rows(M, [&](int64_t r) {
-    thread_local std::vector<float> buf;
-    const float* row = out_row(qkv, r, buf);
-    std::memcpy(qp + r * nq * D, row, sizeof(float) * nq * D);
-    std::memcpy(k.data() + r * nkv * D, row + nq * D, sizeof(float) * nkv * D);
-    std::memcpy(v.data() + r * nkv * D, row + (nq + nkv) * D, sizeof(float) * nkv * D);
-    const float* c = cos.data_ptr<float>() + r * D;
-    const float* s = sin.data_ptr<float>() + r * D;
-    rope_row(qp + r * nq * D, nq, D, c, s);
-    rope_row(k.data() + r * nkv * D, nkv, D, c, s);
-  });
-  write_cache_rows(k.data(), M, nkv * D, slots.data_ptr<int64_t>(), k_cache);
-  write_cache_rows(v.data(), M, nkv * D, slots.data_ptr<int64_t>(), v_cache);
-  return q;
-}
-
-// The rest of the layer: x1 = x + o_proj(attn); h = RMSNorm(x1); x2 = x1 + down(silu(gate) * up).
-torch::Tensor attn_out_mlp(const torch::Tensor& x, const torch::Tensor& attn, const torch::Tensor& o_nib,
-                           const torch::Tensor& o_sm, const torch::Tensor& norm_w, double eps,
-                           const torch::Tensor& gu_nib, const torch::Tensor& gu_sm, const torch::Tensor& down_nib,
-                           const torch::Tensor& down_sm, bool use_amx, bool dense) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous(), "x: contiguous fp32 [M, H]");
-  TORCH_CHECK((attn.scalar_type() == torch::kFloat || attn.scalar_type() == torch::kBFloat16) && attn.is_contiguous(),
-              "attn: contiguous fp32 or bf16");
-  const int M = x.size(0), H = x.size(1);
-  // the attention output in bf16 (the o_proj input): converted here, or as the bf16 attention gave it
-  auto a16 = attn.scalar_type() == torch::kBFloat16 ? attn : at::empty({M, attn.size(1)}, x.options().dtype(torch::kBFloat16));
-  if (attn.scalar_type() == torch::kFloat) {
-    const float* ap = attn.data_ptr<float>();
-    uint16_t* o = reinterpret_cast<uint16_t*>(a16.data_ptr<at::BFloat16>());
-    const int64_t w = attn.size(1);
-    for_rows(M, [&](int64_t r) { to_bf16_n(ap + r * w, o + r * w, w); });
-  }
-  auto o = layer_linear(a16, o_nib, o_sm, use_amx, dense);                  // o_proj(attn), then + x
-  auto x1 = o.scalar_type() == torch::kFloat ? o : at::empty({M, H}, x.options());
-  float* x1p = x1.data_ptr<float>();
-  const float* xp = x.data_ptr<float>();
-  for_rows(M, [&](int64_t r) {
-    thread_local std::vector<float> buf;
-    const float* orow = out_row(o, r, buf);
-    for (int64_t i = 0; i < H; ++i) x1p[r * H + i] = xp[r * H + i] + orow[i];
-  });
-  auto h = at::empty({M, H}, x.options().dtype(torch::kBFloat16));
-  rms_norm_rows_bf16(x1p, norm_w.data_ptr<float>(), M, H, static_cast<float>(eps),
-                     reinterpret_cast<uint16_t*>(h.data_ptr<at::BFloat16>()));
-  auto gu = layer_linear(h, gu_nib, gu_sm, use_amx, dense);                 // [M, 2 I]
-  const int I = gu.size(1) / 2;
-  auto act = at::empty({M, I}, x.options().dtype(torch::kBFloat16));
-  uint16_t* ap = reinterpret_cast<uint16_t*>(act.data_ptr<at::BFloat16>());
-  for_rows(M, [&](int64_t r) {
-    thread_local std::vector<float> buf;
-    silu_mul_row(out_row(gu, r, buf), I, ap + r * I);
-  });
-  auto d = layer_linear(act, down_nib, down_sm, use_amx, dense);
-  auto y = d.scalar_type() == torch::kFloat ? d : at::empty({M, H}, x.options());
-  float* yp = y.data_ptr<float>();
-  for_rows(M, [&](int64_t r) {
-    thread_local std::vector<float> buf;
-    const float* drow = out_row(d, r, buf);
-    for (int64_t i = 0; i < H; ++i) yp[r * H + i] = x1p[r * H + i] + drow[i];
-  });
-  return y;
-}
-
-// --- the whole layer stack of a decode / verification step in one call ------------------------------
-// A step whose rows all attend row by row (decode, chain or tree verification) runs every layer as
-// attn_in -> attend_rows -> attn_out_mlp; doing that loop here instead of in Python saves ~40 us of
-// interpreter and dispatch per layer (over a millisecond per step of a 30-layer model, ~15 % of a
-// plain decode step). The same calls in the same order: the numbers are those of the per-layer path.
-struct FusedStack {
-  std::vector<torch::Tensor> qkv_nib, qkv_sm, o_nib, o_sm, gu_nib, gu_sm, down_nib, down_sm, in_norm, post_norm,
-      k_caches, v_caches;
-  double eps;
-  bool use_amx;
-  int64_t nq, nkv, D;
-  double scale;
-
-  // x [T, H] fp32 -> (x after the last layer, then x before each layer in `capture`, in order)
-  std::vector<torch::Tensor> run(torch::Tensor x, const torch::Tensor& cos, const torch::Tensor& sin,
-                                 const torch::Tensor& slots, const std::vector<int64_t>& rows,
-                                 const std::vector<int64_t>& lens, const std::vector<int64_t>& slot_lists,
-                                 const std::vector<torch::Tensor>& slot_tensors, const std::vector<int64_t>& capture) {
-    std::vector<torch::Tensor> out(1);
-    const int64_t T = x.size(0);
-    size_t c = 0;
-    for (size_t l = 0; l < qkv_nib.size(); ++l) {
-      if (c < capture.size() && capture[c] == static_cast<int64_t>(l)) { out.push_back(x); ++c; }
-      torch::Tensor q, a;
-      {
-        RECORD_FUNCTION("draftwise::attn_in", std::vector<c10::IValue>());
-        q = attn_in(x, in_norm[l], eps, qkv_nib[l], qkv_sm[l], use_amx, cos, sin, nq, nkv, D, slots, k_caches[l],
-                    v_caches[l], false);
-      }
-      {
-        RECORD_FUNCTION("draftwise::attend_rows", std::vector<c10::IValue>());
-        a = at::empty({T, nq, D}, x.options());
-        attend_rows(q.view({T, nq, D}), k_caches[l], v_caches[l], a, rows, lens, slot_lists, slot_tensors, scale);
-      }
-      RECORD_FUNCTION("draftwise::attn_out_mlp", std::vector<c10::IValue>());
-      x = attn_out_mlp(x, a.view({T, nq * D}), o_nib[l], o_sm[l], post_norm[l], eps, gu_nib[l], gu_sm[l], down_nib[l],
-                       down_sm[l], use_amx, false);
-    }
-    out[0] = x;
-    return out;
-  }
-};
 
 // --- greedy: the argmax of every logits row ----------------------------------------------------------
 namespace {
@@ -1039,46 +733,9 @@ AVX512F int64_t argmax_row(const float* x, int64_t n) {
 
 }  // namespace
 
-// logits [M, V] fp32 -> int64 [M]: each row's argmax (first index of the maximum, as torch.argmax),
-// rows in parallel chunks
-torch::Tensor row_argmax(const torch::Tensor& logits) {
-  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == torch::kFloat && logits.is_contiguous(),
-              "logits: contiguous fp32 [M, V]");
-  const int64_t M = logits.size(0), V = logits.size(1);
-  TORCH_CHECK(V > 0 && V < (int64_t(1) << 31), "vocabulary size");
-  auto out = at::empty({M}, logits.options().dtype(torch::kLong));
-  const float* lp = logits.data_ptr<float>();
-  int64_t* op = out.data_ptr<int64_t>();
-  for_rows(M, [&](int64_t r) { op[r] = argmax_row(lp + r * V, V); });
-  return out;
-}
-
-bool cpu_supports_avx512_bf16() { return __builtin_cpu_supports("avx512bf16"); }
 bool amx_available() { return amx_permitted(); }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("int4_linear", &int4_linear, "weight-stationary int4 (group 32) linear, bf16 x, fp32 out");
-  m.def("int8_linear", &int8_linear, "weight-stationary int8 (per output channel) linear, bf16 x, fp32 out");
-  m.def("attend_rows", &attend_rows, "row-invariant attention: every row alone over its own keys");
-  m.def("attn_in", &attn_in, "RMSNorm -> int4 qkv -> RoPE -> K/V into the cache, per row; returns q");
-  m.def("row_argmax", &row_argmax, "argmax of every logits row (first maximum), rows in parallel");
-  m.def("attn_out_mlp", &attn_out_mlp, "o_proj + residual -> RMSNorm -> int4 gate/up -> SiLU*up -> int4 down + residual");
-  m.def("dequant_bf16_kn", &dequant_bf16_kn, "packed int4 -> bf16 [K, N]");
-  m.def("layer_linear", &layer_linear, "the exact int4 kernel (fp32 out), or (dense) dequantize + bf16 GEMM (bf16 out)");
-  py::class_<FusedStack>(m, "FusedStack")
-      .def(py::init([](std::vector<torch::Tensor> qkv_nib, std::vector<torch::Tensor> qkv_sm,
-                       std::vector<torch::Tensor> o_nib, std::vector<torch::Tensor> o_sm,
-                       std::vector<torch::Tensor> gu_nib, std::vector<torch::Tensor> gu_sm,
-                       std::vector<torch::Tensor> down_nib, std::vector<torch::Tensor> down_sm,
-                       std::vector<torch::Tensor> in_norm, std::vector<torch::Tensor> post_norm,
-                       std::vector<torch::Tensor> k_caches, std::vector<torch::Tensor> v_caches, double eps,
-                       bool use_amx, int64_t nq, int64_t nkv, int64_t D, double scale) {
-        return FusedStack{qkv_nib, qkv_sm, o_nib, o_sm, gu_nib, gu_sm, down_nib, down_sm, in_norm, post_norm,
-                          k_caches, v_caches, eps, use_amx, nq, nkv, D, scale};
-      }))
-      .def("run", &FusedStack::run, py::call_guard<py::gil_scoped_release>(),
-           "every layer of a row-by-row step: (x after the stack, x before each captured layer)");
-  m.def("cpu_supports_avx512_bf16", &cpu_supports_avx512_bf16);
-  m.def("amx_available", &amx_available);
-}
-// build: -O3 -fopenmp (at::parallel_for runs on OpenMP)
+}  // namespace draftwise
+
+#define KERNEL_ISA "avx512"
+#include "layer.h"

@@ -1,0 +1,523 @@
+// The CPU kernels on AVX2 + FMA + F16C (Intel since Haswell, AMD since Zen: the laptop and desktop
+// path), built with -mavx2 -mfma -mf16c and loaded only where the CPU has all three.
+//
+// int4 (Q4_1, group 32) and int8 (per channel) linears: y[M, N] = x[M, K] (bf16) . W[N, K]^T, fp32
+// out. There are no bf16 dot products here, so activations are widened to fp32 (exact) and each
+// block of 16 output columns multiplies them on fp32 FMAs, the codes converted to fp32 (exact). For
+// every output element the order of operations is fixed: per group of 32 inputs two partial dot
+// products (even and odd inputs, in input order), their sum times the group's scale added to the
+// accumulator, then the group's minimum times the sum of its inputs:
+//     acc = minimum * sum(x_g) + ((d_even + d_odd) * scale + acc)
+// A block's codes are converted once per call and serve every row (weight-stationary: unpacked in
+// registers for up to 3 rows, into a per-thread fp32 tile for more); rows are tiled in threes, and
+// the arithmetic of a row is the same whichever tile or path computed it. So a row's bits never
+// depend on how many rows shared the call: prefill chunks, decode and verification rows agree.
+//
+// The row-invariant attention, RMSNorm, SiLU-and-mul, bf16 rounding and the argmax follow the
+// AVX-512 file's algorithms 8 lanes at a time (their results differ from it in rounding only).
+#include "common.h"
+
+namespace draftwise {
+namespace {
+
+constexpr int MT_MAX = 3;       // rows per register tile
+
+// bf16 [n] -> fp32 (exact)
+inline void widen_bf16(const uint16_t* src, float* dst, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(_mm256_slli_epi32(
+        _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))), 16)));
+  for (; i < n; ++i) dst[i] = from_bf16(src[i]);
+}
+
+// the 8 lanes of v summed in a fixed order: (lo + hi) halves, then pairs
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+  return _mm_cvtss_f32(s);
+}
+
+// per group of 32 fp32 inputs: their sum (the minimums' share), in a fixed order
+inline void group_sums(const float* x, int G, float* out) {
+  for (int g = 0; g < G; ++g) {
+    const float* p = x + g * GROUP;
+    const __m256 a = _mm256_add_ps(_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8));
+    const __m256 b = _mm256_add_ps(_mm256_loadu_ps(p + 16), _mm256_loadu_ps(p + 24));
+    out[g] = hsum8(_mm256_add_ps(a, b));
+  }
+}
+
+// pair p's codes as fp32: k = 2p (low nibbles) and k = 2p + 1 (high nibbles), columns 0-7 and 8-15
+inline void unpack_pair(const uint8_t* pk, __m256 w[4]) {
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(pk));
+  const __m256i lo = _mm256_cvtepu8_epi32(b), hi = _mm256_cvtepu8_epi32(_mm_unpackhi_epi64(b, b));
+  const __m256i m = _mm256_set1_epi32(15);
+  w[0] = _mm256_cvtepi32_ps(_mm256_and_si256(lo, m));
+  w[1] = _mm256_cvtepi32_ps(_mm256_and_si256(hi, m));
+  w[2] = _mm256_cvtepi32_ps(_mm256_srli_epi32(lo, 4));
+  w[3] = _mm256_cvtepi32_ps(_mm256_srli_epi32(hi, 4));
+}
+
+// a column block's codes, all pairs, as fp32 [K/2][4][8] (unpack_pair's order)
+inline void unpack_block(const uint8_t* pk, int K, float* tile) {
+  __m256 w[4];
+  for (int p = 0; p < K / 2; ++p) {
+    _mm_prefetch(reinterpret_cast<const char*>(pk + p * NB + PREFETCH_BYTES), _MM_HINT_T0);
+    unpack_pair(pk + p * NB, w);
+    for (int i = 0; i < 4; ++i) _mm256_store_ps(tile + p * 32 + i * 8, w[i]);
+  }
+}
+
+// MT rows of one column block: y rows = x rows . W^T (see the file's comment for the order); the
+// codes from `tile` (TILE) or unpacked from `pk` in registers
+template <int MT, bool TILE>
+void rows_int4(const float* x, const float* xs, int K, const uint8_t* pk, const float* tile, const uint16_t* sm,
+               float* y, int N) {
+  const int G = K / GROUP;
+  __m256 acc[MT][2];
+  for (int r = 0; r < MT; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int g = 0; g < G; ++g) {
+    __m256 d0[MT][2], d1[MT][2];
+    for (int r = 0; r < MT; ++r) d0[r][0] = d0[r][1] = d1[r][0] = d1[r][1] = _mm256_setzero_ps();
+    for (int q = 0; q < PAIRS; ++q) {
+      const int p = g * PAIRS + q;
+      __m256 w[4];
+      if (TILE) {
+        for (int i = 0; i < 4; ++i) w[i] = _mm256_load_ps(tile + p * 32 + i * 8);
+      } else {
+        if ((q & 3) == 0) _mm_prefetch(reinterpret_cast<const char*>(pk + p * NB + PREFETCH_BYTES), _MM_HINT_T0);
+        unpack_pair(pk + p * NB, w);
+      }
+      for (int r = 0; r < MT; ++r) {
+        const __m256 xa = _mm256_broadcast_ss(x + r * K + 2 * p), xb = _mm256_broadcast_ss(x + r * K + 2 * p + 1);
+        d0[r][0] = _mm256_fmadd_ps(xa, w[0], d0[r][0]);
+        d0[r][1] = _mm256_fmadd_ps(xa, w[1], d0[r][1]);
+        d1[r][0] = _mm256_fmadd_ps(xb, w[2], d1[r][0]);
+        d1[r][1] = _mm256_fmadd_ps(xb, w[3], d1[r][1]);
+      }
+    }
+    const uint16_t* sg = sm + g * 2 * NB;
+    const __m256 s[2] = {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sg))),
+                         _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sg + 8)))};
+    const __m256 m[2] = {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sg + NB))),
+                         _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sg + NB + 8)))};
+    for (int r = 0; r < MT; ++r) {
+      const __m256 xsum = _mm256_set1_ps(xs[r * G + g]);
+      for (int h = 0; h < 2; ++h)
+        acc[r][h] = _mm256_fmadd_ps(m[h], xsum, _mm256_fmadd_ps(_mm256_add_ps(d0[r][h], d1[r][h]), s[h], acc[r][h]));
+    }
+  }
+  for (int r = 0; r < MT; ++r) {
+    _mm256_storeu_ps(y + static_cast<int64_t>(r) * N, acc[r][0]);
+    _mm256_storeu_ps(y + static_cast<int64_t>(r) * N + 8, acc[r][1]);
+  }
+}
+
+template <bool TILE>
+void rows_int4_any(int mt, const float* x, const float* xs, int K, const uint8_t* pk, const float* tile,
+                   const uint16_t* sm, float* y, int N) {
+  switch (mt) {
+    case 1: rows_int4<1, TILE>(x, xs, K, pk, tile, sm, y, N); break;
+    case 2: rows_int4<2, TILE>(x, xs, K, pk, tile, sm, y, N); break;
+    case 3: rows_int4<3, TILE>(x, xs, K, pk, tile, sm, y, N); break;
+    default: break;
+  }
+}
+
+// --- int8, one scale per output channel (the LM head) ---------------------------------------------
+// pair p holds 16 columns x (k = 2p, 2p + 1) interleaved: 4 vectors of (column, k parity) lanes.
+// Per row 8 accumulators: even and odd pairs apart (two FMA chains per lane), summed at the end,
+// then the parities of each column (one hadd) and the scale.
+inline void unpack_pair8(const int8_t* q, __m256 w[4]) {
+  for (int i = 0; i < 4; ++i)
+    w[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + i * 8))));
+}
+
+inline void unpack_block8(const int8_t* q, int K, float* tile) {
+  __m256 w[4];
+  for (int p = 0; p < K / 2; ++p) {
+    _mm_prefetch(reinterpret_cast<const char*>(q + p * 32 + PREFETCH_BYTES), _MM_HINT_T0);
+    unpack_pair8(q + p * 32, w);
+    for (int i = 0; i < 4; ++i) _mm256_store_ps(tile + p * 32 + i * 8, w[i]);
+  }
+}
+
+template <int MT, bool TILE>
+void rows_int8(const float* x, int K, const int8_t* q, const float* tile, const float* scale, float* y, int N) {
+  __m256 acc[MT][2][4];
+  for (int r = 0; r < MT; ++r)
+    for (int e = 0; e < 2; ++e)
+      for (int i = 0; i < 4; ++i) acc[r][e][i] = _mm256_setzero_ps();
+  for (int p = 0; p < K / 2; ++p) {
+    __m256 w[4];
+    if (TILE) {
+      for (int i = 0; i < 4; ++i) w[i] = _mm256_load_ps(tile + p * 32 + i * 8);
+    } else {
+      if ((p & 1) == 0) _mm_prefetch(reinterpret_cast<const char*>(q + p * 32 + PREFETCH_BYTES), _MM_HINT_T0);
+      unpack_pair8(q + p * 32, w);
+    }
+    const int e = p & 1;
+    for (int r = 0; r < MT; ++r) {
+      // (x[2p], x[2p+1]) in every lane pair
+      const __m256 xp = _mm256_castpd_ps(_mm256_broadcast_sd(reinterpret_cast<const double*>(x + r * K + 2 * p)));
+      for (int i = 0; i < 4; ++i) acc[r][e][i] = _mm256_fmadd_ps(xp, w[i], acc[r][e][i]);
+    }
+  }
+  const __m256 s0 = _mm256_loadu_ps(scale), s1 = _mm256_loadu_ps(scale + 8);
+  for (int r = 0; r < MT; ++r) {
+    __m256 a[4];
+    for (int i = 0; i < 4; ++i) a[i] = _mm256_add_ps(acc[r][0][i], acc[r][1][i]);
+    // hadd -> columns (0,1,4,5,2,3,6,7); the permute puts them in order
+    const __m256 lo = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_hadd_ps(a[0], a[1])), 0xD8));
+    const __m256 hi = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_hadd_ps(a[2], a[3])), 0xD8));
+    _mm256_storeu_ps(y + static_cast<int64_t>(r) * N, _mm256_mul_ps(lo, s0));
+    _mm256_storeu_ps(y + static_cast<int64_t>(r) * N + 8, _mm256_mul_ps(hi, s1));
+  }
+}
+
+template <bool TILE>
+void rows_int8_any(int mt, const float* x, int K, const int8_t* q, const float* tile, const float* scale, float* y,
+                   int N) {
+  switch (mt) {
+    case 1: rows_int8<1, TILE>(x, K, q, tile, scale, y, N); break;
+    case 2: rows_int8<2, TILE>(x, K, q, tile, scale, y, N); break;
+    case 3: rows_int8<3, TILE>(x, K, q, tile, scale, y, N); break;
+    default: break;
+  }
+}
+
+// x bf16 [M, K] -> fp32 [M, K]
+std::vector<float> widen_rows(const torch::Tensor& x) {
+  const int64_t M = x.size(0), K = x.size(1);
+  std::vector<float> xf(static_cast<size_t>(M * K));
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  for_rows(M, [&](int64_t r) { widen_bf16(xp + r * K, xf.data() + r * K, K); });
+  return xf;
+}
+
+}  // namespace
+
+torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& nibbles, const torch::Tensor& sm,
+                          bool /*use_amx*/) {
+  check_int4(x, nibbles, sm);
+  const int M = x.size(0), K = x.size(1), blocks = nibbles.size(0), N = blocks * NB, G = K / GROUP;
+  auto y = at::empty({M, N}, x.options().dtype(torch::kFloat));
+  if (M == 0) return y;
+  const std::vector<float> xf = widen_rows(x);
+  std::vector<float> xs(static_cast<size_t>(M) * G);
+  for_rows(M, [&](int64_t r) { group_sums(xf.data() + r * K, G, xs.data() + r * G); });
+  const uint8_t* pk = nibbles.data_ptr<uint8_t>();
+  const uint16_t* smp = reinterpret_cast<const uint16_t*>(sm.data_ptr<at::Half>());
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+    std::unique_ptr<Aligned<float>> tile;
+    if (M > MT_MAX) tile = std::make_unique<Aligned<float>>(static_cast<size_t>(K) * NB);
+    for (int64_t b = b0; b < b1; ++b) {
+      const uint8_t* pkb = pk + b * (K / 2) * NB;
+      const uint16_t* smb = smp + b * G * 2 * NB;
+      if (!tile) {
+        rows_int4_any<false>(M, xf.data(), xs.data(), K, pkb, nullptr, smb, yp + b * NB, N);
+        continue;
+      }
+      unpack_block(pkb, K, tile->p);
+      for (int m0 = 0; m0 < M; m0 += MT_MAX)
+        rows_int4_any<true>(std::min(MT_MAX, M - m0), xf.data() + static_cast<int64_t>(m0) * K, xs.data() + m0 * G,
+                            K, pkb, tile->p, smb, yp + static_cast<int64_t>(m0) * N + b * NB, N);
+    }
+  });
+  return y;
+}
+
+torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& q8, const torch::Tensor& scale,
+                          bool /*use_amx*/) {
+  check_int8(x, q8, scale);
+  const int M = x.size(0), K = x.size(1), blocks = q8.size(0), N = blocks * NB;
+  auto y = at::empty({M, N}, x.options().dtype(torch::kFloat));
+  if (M == 0) return y;
+  const std::vector<float> xf = widen_rows(x);
+  const int8_t* qp = q8.data_ptr<int8_t>();
+  const float* sp = scale.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+    std::unique_ptr<Aligned<float>> tile;
+    if (M > MT_MAX) tile = std::make_unique<Aligned<float>>(static_cast<size_t>(K) * NB);
+    for (int64_t b = b0; b < b1; ++b) {
+      const int8_t* qb = qp + b * static_cast<int64_t>(K) * NB;
+      if (!tile) {
+        rows_int8_any<false>(M, xf.data(), K, qb, nullptr, sp + b * NB, yp + b * NB, N);
+        continue;
+      }
+      unpack_block8(qb, K, tile->p);
+      for (int m0 = 0; m0 < M; m0 += MT_MAX)
+        rows_int8_any<true>(std::min(MT_MAX, M - m0), xf.data() + static_cast<int64_t>(m0) * K, K, qb, tile->p,
+                            sp + b * NB, yp + static_cast<int64_t>(m0) * N + b * NB, N);
+    }
+  });
+  return y;
+}
+
+// --- row-invariant attention ------------------------------------------------------------------------
+// Every query row attends alone over exactly its own keys, in a fixed order of operations (see the
+// AVX-512 file); here 8 keys are scored at a time.
+namespace {
+
+// e^x for x in [-87.3, 88.3] (clamped): 2^n e^r, n = round(x log2 e), Cephes' polynomial for e^r
+inline __m256 exp256(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+// 8 cache values widened to fp32 (exact for every cache dtype)
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const at::BFloat16* p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+}
+inline __m256 load8(const at::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+
+// 8 vectors -> one: lane j = the sum of a[j]'s 8 lanes (a fixed hadd network)
+inline __m256 sum8(const __m256* a) {
+  const __m256 b0 = _mm256_hadd_ps(a[0], a[1]), b1 = _mm256_hadd_ps(a[2], a[3]);
+  const __m256 b2 = _mm256_hadd_ps(a[4], a[5]), b3 = _mm256_hadd_ps(a[6], a[7]);
+  const __m256 c0 = _mm256_hadd_ps(b0, b1), c1 = _mm256_hadd_ps(b2, b3);
+  return _mm256_add_ps(_mm256_permute2f128_ps(c0, c1, 0x20), _mm256_permute2f128_ps(c0, c1, 0x31));
+}
+
+// lanes below n set (n in 0..8)
+inline __m256 lanes_below(int n) {
+  return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
+}
+
+// one query row, one KV head, its G query heads: out[g] = softmax(scale q_g . K^T) V over `len` keys;
+// scores: G x stride floats (stride = len rounded up to 8)
+template <typename T, int DV>
+void attend_one(const float* q, const T* kc, const T* vc, const int64_t* slots, int64_t len, int G,
+                int64_t slot_stride, float scale, float* out, float* scores) {
+  constexpr int D = DV * 8, CW = DV < 8 ? DV : 8, HB = DV >= 8 ? 1 : 8 / DV;
+  const int64_t stride = (len + 7) / 8 * 8;
+  const __m256 scale_v = _mm256_set1_ps(scale);
+  float inv[64];
+  for (int g = 0; g < G; ++g) {
+    const float* qg = q + g * D;
+    float* sg = scores + g * stride;
+    __m256 mxv = _mm256_set1_ps(-INFINITY);
+    for (int64_t j0 = 0; j0 < len; j0 += 8) {
+      const int n = static_cast<int>(std::min<int64_t>(8, len - j0));
+      __m256 acc[8];
+      for (int j = 0; j < 8; ++j) {
+        if (j >= n) { acc[j] = _mm256_setzero_ps(); continue; }
+        const T* kj = kc + slots[j0 + j] * slot_stride;
+        __m256 a = _mm256_mul_ps(_mm256_loadu_ps(qg), load8(kj));
+        for (int c = 1; c < DV; ++c) a = _mm256_fmadd_ps(_mm256_loadu_ps(qg + c * 8), load8(kj + c * 8), a);
+        acc[j] = a;
+      }
+      const __m256 sc = _mm256_mul_ps(sum8(acc), scale_v);
+      _mm256_storeu_ps(sg + j0, sc);                          // lanes past len land in the padding
+      mxv = _mm256_max_ps(mxv, _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), sc, lanes_below(n)));
+    }
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mxv), _mm256_extractf128_ps(mxv, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
+    const __m256 mx = _mm256_set1_ps(_mm_cvtss_f32(m4));
+    __m256 sumv = _mm256_setzero_ps();
+    for (int64_t j = 0; j < len; j += 8) {
+      const __m256 e = _mm256_and_ps(exp256(_mm256_sub_ps(_mm256_loadu_ps(sg + j), mx)),
+                                     lanes_below(static_cast<int>(std::min<int64_t>(8, len - j))));
+      _mm256_storeu_ps(sg + j, e);
+      sumv = _mm256_add_ps(sumv, e);
+    }
+    inv[g] = 1.0f / hsum8(sumv);
+  }
+  for (int g0 = 0; g0 < G; g0 += HB) {
+    const int hb = std::min(HB, G - g0);
+    for (int c0 = 0; c0 < DV; c0 += CW) {
+      __m256 o[HB * CW];
+      for (int i = 0; i < HB * CW; ++i) o[i] = _mm256_setzero_ps();
+      for (int64_t jj = 0; jj < len; ++jj) {
+        const T* vj = vc + slots[jj] * slot_stride + c0 * 8;
+        __m256 v[CW];
+        for (int c = 0; c < CW; ++c) v[c] = load8(vj + c * 8);
+        for (int h = 0; h < hb; ++h) {
+          const __m256 pj = _mm256_broadcast_ss(scores + (g0 + h) * stride + jj);
+          for (int c = 0; c < CW; ++c) o[h * CW + c] = _mm256_fmadd_ps(pj, v[c], o[h * CW + c]);
+        }
+      }
+      for (int h = 0; h < hb; ++h) {
+        const __m256 invv = _mm256_set1_ps(inv[g0 + h]);
+        for (int c = 0; c < CW; ++c)
+          _mm256_storeu_ps(out + (g0 + h) * D + (c0 + c) * 8, _mm256_mul_ps(o[h * CW + c], invv));
+      }
+    }
+  }
+}
+
+template <typename T>
+void attend_one_any(const float* q, const T* kc, const T* vc, const int64_t* slots, int64_t len, int G, int D,
+                    int64_t slot_stride, float scale, float* out, float* scores) {
+  switch (D / 8) {
+#define CASE(n) case n: attend_one<T, n>(q, kc, vc, slots, len, G, slot_stride, scale, out, scores); break;
+    CASE(2) CASE(4) CASE(8) CASE(16) CASE(32)
+#undef CASE
+    default: TORCH_CHECK(false, "attend_rows: head_dim ", D, " is not supported");
+  }
+}
+
+template <typename T>
+void attend_rows_typed(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                       torch::Tensor& out, const std::vector<int64_t>& rows, const std::vector<int64_t>& lens,
+                       const std::vector<int64_t>& slot_lists, const std::vector<torch::Tensor>& slots, double scale) {
+  const int H = q.size(1), D = q.size(2), Hkv = k_cache.size(1), G = H / Hkv;
+  TORCH_CHECK((D == 16 || D == 32 || D == 64 || D == 128 || D == 256) && G <= 64 && k_cache.stride(0) == Hkv * D &&
+              v_cache.stride(0) == Hkv * D, "layout");
+  const int64_t n = static_cast<int64_t>(rows.size());
+  const float* qp = q.data_ptr<float>();
+  const T* kp = k_cache.data_ptr<T>();
+  const T* vp = v_cache.data_ptr<T>();
+  float* op = out.data_ptr<float>();
+  std::vector<const int64_t*> sp(slots.size());
+  for (size_t i = 0; i < slots.size(); ++i) sp[i] = slots[i].data_ptr<int64_t>();
+  int64_t max_len = 0;
+  for (auto l : lens) max_len = std::max(max_len, l);
+  at::parallel_for(0, n * Hkv, 1, [&](int64_t w0, int64_t w1) {
+    std::vector<float> scores(static_cast<size_t>(G) * ((max_len + 7) / 8 * 8));
+    for (int64_t w = w0; w < w1; ++w) {
+      const int64_t i = w / Hkv, h = w % Hkv, t = rows[i];
+      attend_one_any<T>(qp + (t * H + h * G) * D, kp + h * D, vp + h * D, sp[slot_lists[i]], lens[i], G, D,
+                        static_cast<int64_t>(Hkv) * D, static_cast<float>(scale), op + (t * H + h * G) * D,
+                        scores.data());
+    }
+  });
+}
+
+}  // namespace
+
+void attend_rows(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                 torch::Tensor& out, const std::vector<int64_t>& rows, const std::vector<int64_t>& lens,
+                 const std::vector<int64_t>& slot_lists, const std::vector<torch::Tensor>& slots, double scale) {
+  const auto dt = k_cache.scalar_type();
+  TORCH_CHECK(q.scalar_type() == torch::kFloat && out.scalar_type() == torch::kFloat && v_cache.scalar_type() == dt &&
+              q.is_contiguous() && out.is_contiguous(), "fp32 contiguous q and out, one cache dtype");
+  if (dt == torch::kFloat) attend_rows_typed<float>(q, k_cache, v_cache, out, rows, lens, slot_lists, slots, scale);
+  else if (dt == torch::kBFloat16) attend_rows_typed<at::BFloat16>(q, k_cache, v_cache, out, rows, lens, slot_lists, slots, scale);
+  else if (dt == torch::kHalf) attend_rows_typed<at::Half>(q, k_cache, v_cache, out, rows, lens, slot_lists, slots, scale);
+  else TORCH_CHECK(false, "attend_rows: cache dtype must be fp32, bf16 or fp16");
+}
+
+// --- a decoder layer's elementwise work (layer.h calls these) -------------------------------------
+namespace {
+
+// n fp32 values -> bf16, round to nearest even, 8 at a time (the same results as to_bf16)
+inline void to_bf16_n(const float* src, uint16_t* dst, int64_t n) {
+  int64_t i = 0;
+  const __m256i bias = _mm256_set1_epi32(0x7FFF), one = _mm256_set1_epi32(1);
+  for (; i + 8 <= n; i += 8) {
+    const __m256i u = _mm256_castps_si256(_mm256_loadu_ps(src + i));
+    const __m256i r = _mm256_srli_epi32(
+        _mm256_add_epi32(u, _mm256_add_epi32(bias, _mm256_and_si256(_mm256_srli_epi32(u, 16), one))), 16);
+    const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i), packed);
+  }
+  for (; i < n; ++i) dst[i] = to_bf16(src[i]);
+}
+
+// out[r] = bf16(w * (x[r] / rms(x[r])))
+inline void rms_norm_row_bf16(const float* x, const float* w, int r, int H, float eps, uint16_t* out) {
+  const float* xr = x + static_cast<int64_t>(r) * H;
+  __m256 acc = _mm256_setzero_ps();
+  int i = 0;
+  for (; i + 8 <= H; i += 8) {
+    const __m256 v = _mm256_loadu_ps(xr + i);
+    acc = _mm256_fmadd_ps(v, v, acc);
+  }
+  float ss = hsum8(acc);
+  for (; i < H; ++i) ss += xr[i] * xr[i];
+  const float inv = 1.0f / std::sqrt(ss / static_cast<float>(H) + eps);
+  uint16_t* o = out + static_cast<int64_t>(r) * H;
+  alignas(32) float tmp[8];
+  int j = 0;
+  for (; j + 8 <= H; j += 8) {
+    _mm256_store_ps(tmp, _mm256_mul_ps(_mm256_loadu_ps(w + j), _mm256_mul_ps(_mm256_loadu_ps(xr + j), _mm256_set1_ps(inv))));
+    to_bf16_n(tmp, o + j, 8);
+  }
+  for (; j < H; ++j) o[j] = to_bf16(w[j] * (xr[j] * inv));
+}
+
+// out = bf16(silu(gate) * up) for one row of [gate | up] (I each); silu(g) = g / (1 + exp(-g))
+inline void silu_mul_row(const float* gu, int I, uint16_t* out) {
+  const float* g = gu;
+  const float* u = gu + I;
+  alignas(32) float tmp[8];
+  int i = 0;
+  for (; i + 8 <= I; i += 8) {
+    const __m256 gv = _mm256_loadu_ps(g + i);
+    const __m256 e = exp256(_mm256_sub_ps(_mm256_setzero_ps(), gv));
+    const __m256 sv = _mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+    _mm256_store_ps(tmp, _mm256_mul_ps(sv, _mm256_loadu_ps(u + i)));
+    to_bf16_n(tmp, out + i, 8);
+  }
+  for (; i < I; ++i) out[i] = to_bf16(g[i] / (1.0f + std::exp(-g[i])) * u[i]);
+}
+
+// index of the first maximum of x[0, n) (torch.argmax's rules: the first maximum; a NaN counts as
+// the maximum, so the first NaN wins), 8 lanes at a time
+inline int64_t argmax_row(const float* x, int64_t n) {
+  int64_t i = 0, best_i = 0;
+  float best = -INFINITY;
+  bool nan = false;
+  if (n >= 8) {
+    __m256 vmax = _mm256_loadu_ps(x);
+    __m256 unord = _mm256_cmp_ps(vmax, vmax, _CMP_UNORD_Q);
+    __m256i vidx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    __m256i cur = vidx;
+    const __m256i step = _mm256_set1_epi32(8);
+    for (i = 8; i + 8 <= n; i += 8) {
+      cur = _mm256_add_epi32(cur, step);
+      const __m256 v = _mm256_loadu_ps(x + i);
+      unord = _mm256_or_ps(unord, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+      const __m256 gt = _mm256_cmp_ps(v, vmax, _CMP_GT_OQ);          // strictly greater: first index kept
+      vmax = _mm256_blendv_ps(vmax, v, gt);
+      vidx = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(vidx), _mm256_castsi256_ps(cur), gt));
+    }
+    nan = _mm256_movemask_ps(unord) != 0;
+    alignas(32) float mv[8];
+    alignas(32) int32_t mi[8];
+    _mm256_store_ps(mv, vmax);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(mi), vidx);
+    best = mv[0];
+    best_i = mi[0];
+    for (int l = 1; l < 8; ++l)
+      if (mv[l] > best || (mv[l] == best && mi[l] < best_i)) { best = mv[l]; best_i = mi[l]; }
+  }
+  for (; i < n && !nan; ++i)
+    if (x[i] > best || std::isnan(x[i])) {
+      nan = std::isnan(x[i]);
+      best = x[i];
+      best_i = i;
+    }
+  if (nan)
+    for (int64_t j = 0; j < n; ++j)
+      if (std::isnan(x[j])) return j;
+  return best_i;
+}
+
+}  // namespace
+
+bool amx_available() { return false; }
+
+}  // namespace draftwise
+
+#define KERNEL_ISA "avx2"
+#include "layer.h"

@@ -1,0 +1,222 @@
+// A decoder layer's elementwise work fused around the int4 linears, the whole layer stack of a
+// row-by-row step in one call, and the Python module - the same for every ISA.
+//
+// One call does what ~25 eager PyTorch ops per layer did (RMSNorm, the bf16 cast, RoPE, SiLU-and-mul,
+// the residual adds). Every row is computed alone, in a fixed order, so a row's values do not depend
+// on the other rows of the call (speculation stays bit-exact with plain decoding).
+//
+// Included at the end of an ISA's translation unit (avx512.cpp, avx2.cpp), which defines first, in
+// namespace draftwise:
+//   torch::Tensor int4_linear(x, nibbles, sm, use_amx);      y [M, N] fp32 = x [M, K] bf16 . W^T
+//   torch::Tensor int8_linear(x, q8, scale, use_amx);
+//   void attend_rows(q, k_cache, v_cache, out, rows, lens, slot_lists, slots, scale);
+//   void to_bf16_n(const float*, uint16_t*, int64_t);        round to nearest even
+//   void rms_norm_row_bf16(x, w, r, H, eps, out);            out[r] = bf16(w * x[r] / rms(x[r]))
+//   void silu_mul_row(gu, I, out);                           out = bf16(silu(gate) * up)
+//   int64_t argmax_row(const float*, int64_t);               torch.argmax's rule (first max, NaN first)
+//   bool amx_available();  and the macro KERNEL_ISA (the ISA's name)
+#pragma once
+
+#include <ATen/record_function.h>
+
+namespace draftwise {
+
+inline void rms_norm_rows_bf16(const float* x, const float* w, int M, int H, float eps, uint16_t* out) {
+  for_rows(M, [&](int64_t r) { rms_norm_row_bf16(x, w, static_cast<int>(r), H, eps, out); });
+}
+
+// neox-layout rotary embedding of `nh` heads of one row in place: x[i] * cos[i] + rot(x)[i] * sin[i]
+inline void rope_row(float* x, int nh, int D, const float* cos, const float* sin) {
+  const int half = D / 2;
+  for (int h = 0; h < nh; ++h) {
+    float* xh = x + h * D;
+    for (int i = 0; i < half; ++i) {
+      const float a = xh[i], b = xh[i + half];
+      const float lo = a * cos[i], lo_r = -b * sin[i];
+      const float hi = b * cos[i + half], hi_r = a * sin[i + half];
+      xh[i] = lo + lo_r;
+      xh[i + half] = hi + hi_r;
+    }
+  }
+}
+
+// K or V rows (fp32, [M, nkv*D]) into their cache slots, converted to the cache dtype (round to
+// nearest even: what a tensor .to(dtype) copy gives)
+inline void write_cache_rows(const float* src, int M, int64_t width, const int64_t* slots, torch::Tensor& cache) {
+  const auto dt = cache.scalar_type();
+  for_rows(M, [&](int64_t r) {
+    const float* row = src + r * width;
+    const int64_t off = slots[r] * width;
+    if (dt == torch::kFloat) {
+      std::memcpy(cache.data_ptr<float>() + off, row, sizeof(float) * width);
+    } else if (dt == torch::kBFloat16) {
+      to_bf16_n(row, reinterpret_cast<uint16_t*>(cache.data_ptr<at::BFloat16>()) + off, width);
+    } else {
+      at::Half* o = cache.data_ptr<at::Half>() + off;
+      for (int64_t i = 0; i < width; ++i) o[i] = static_cast<at::Half>(row[i]);
+    }
+  });
+}
+
+// The attention block's input side: h = RMSNorm(x) -> bf16 -> q|k|v = int4 linear -> RoPE on q and k,
+// then k and v written to their cache slots. x [M, H] fp32; cos / sin [M, D] (the rows' positions);
+// slots [M] int64; caches [S, nkv, D] (fp32 / bf16 / fp16). Returns q [M, nq*D] fp32.
+inline torch::Tensor attn_in(const torch::Tensor& x, const torch::Tensor& norm_w, double eps,
+                             const torch::Tensor& nibbles, const torch::Tensor& sm, bool use_amx,
+                             const torch::Tensor& cos, const torch::Tensor& sin, int64_t nq, int64_t nkv, int64_t D,
+                             const torch::Tensor& slots, torch::Tensor k_cache, torch::Tensor v_cache) {
+  TORCH_CHECK(slots.scalar_type() == torch::kLong && slots.is_contiguous() && slots.size(0) == x.size(0),
+              "slots: contiguous int64 [M]");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.size(1) * k_cache.size(2) == nkv * D &&
+              k_cache.scalar_type() == v_cache.scalar_type(), "caches: contiguous [S, nkv, D], one dtype");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous(), "x: contiguous fp32 [M, H]");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.size(1) == D, "cos / sin: contiguous [M, D]");
+  const int M = x.size(0), H = x.size(1);
+  auto h = at::empty({M, H}, x.options().dtype(torch::kBFloat16));
+  rms_norm_rows_bf16(x.data_ptr<float>(), norm_w.data_ptr<float>(), M, H, static_cast<float>(eps),
+                     reinterpret_cast<uint16_t*>(h.data_ptr<at::BFloat16>()));
+  auto qkv = int4_linear(h, nibbles, sm, use_amx);                 // [M, (nq + 2 nkv) D]
+  const int64_t W = (nq + 2 * nkv) * D;
+  TORCH_CHECK(qkv.size(1) == W, "qkv width");
+  auto q = at::empty({M, nq * D}, x.options());
+  std::vector<float> k(static_cast<size_t>(M) * nkv * D), v(static_cast<size_t>(M) * nkv * D);
+  float* qp = q.data_ptr<float>();
+  const float* qkvp = qkv.data_ptr<float>();
+  for_rows(M, [&](int64_t r) {
+    const float* row = qkvp + r * W;
+    std::memcpy(qp + r * nq * D, row, sizeof(float) * nq * D);
+    std::memcpy(k.data() + r * nkv * D, row + nq * D, sizeof(float) * nkv * D);
+    std::memcpy(v.data() + r * nkv * D, row + (nq + nkv) * D, sizeof(float) * nkv * D);
+    const float* c = cos.data_ptr<float>() + r * D;
+    const float* s = sin.data_ptr<float>() + r * D;
+    rope_row(qp + r * nq * D, nq, D, c, s);
+    rope_row(k.data() + r * nkv * D, nkv, D, c, s);
+  });
+  write_cache_rows(k.data(), M, nkv * D, slots.data_ptr<int64_t>(), k_cache);
+  write_cache_rows(v.data(), M, nkv * D, slots.data_ptr<int64_t>(), v_cache);
+  return q;
+}
+
+// The rest of the layer: x1 = x + o_proj(attn); h = RMSNorm(x1); x2 = x1 + down(silu(gate) * up).
+inline torch::Tensor attn_out_mlp(const torch::Tensor& x, const torch::Tensor& attn, const torch::Tensor& o_nib,
+                                  const torch::Tensor& o_sm, const torch::Tensor& norm_w, double eps,
+                                  const torch::Tensor& gu_nib, const torch::Tensor& gu_sm,
+                                  const torch::Tensor& down_nib, const torch::Tensor& down_sm, bool use_amx) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous(), "x: contiguous fp32 [M, H]");
+  TORCH_CHECK((attn.scalar_type() == torch::kFloat || attn.scalar_type() == torch::kBFloat16) && attn.is_contiguous(),
+              "attn: contiguous fp32 or bf16");
+  const int M = x.size(0), H = x.size(1);
+  // the attention output in bf16 (the o_proj input): converted here, or as the bf16 attention gave it
+  auto a16 = attn.scalar_type() == torch::kBFloat16 ? attn : at::empty({M, attn.size(1)}, x.options().dtype(torch::kBFloat16));
+  if (attn.scalar_type() == torch::kFloat) {
+    const float* ap = attn.data_ptr<float>();
+    uint16_t* o = reinterpret_cast<uint16_t*>(a16.data_ptr<at::BFloat16>());
+    const int64_t w = attn.size(1);
+    for_rows(M, [&](int64_t r) { to_bf16_n(ap + r * w, o + r * w, w); });
+  }
+  auto x1 = int4_linear(a16, o_nib, o_sm, use_amx);                  // o_proj(attn), then + x
+  float* x1p = x1.data_ptr<float>();
+  const float* xp = x.data_ptr<float>();
+  for_rows(M, [&](int64_t r) {
+    for (int64_t i = 0; i < H; ++i) x1p[r * H + i] = xp[r * H + i] + x1p[r * H + i];
+  });
+  auto h = at::empty({M, H}, x.options().dtype(torch::kBFloat16));
+  rms_norm_rows_bf16(x1p, norm_w.data_ptr<float>(), M, H, static_cast<float>(eps),
+                     reinterpret_cast<uint16_t*>(h.data_ptr<at::BFloat16>()));
+  auto gu = int4_linear(h, gu_nib, gu_sm, use_amx);                  // [M, 2 I]
+  const int I = gu.size(1) / 2;
+  auto act = at::empty({M, I}, x.options().dtype(torch::kBFloat16));
+  uint16_t* ap = reinterpret_cast<uint16_t*>(act.data_ptr<at::BFloat16>());
+  const float* gup = gu.data_ptr<float>();
+  for_rows(M, [&](int64_t r) { silu_mul_row(gup + r * 2 * I, I, ap + r * I); });
+  auto y = int4_linear(act, down_nib, down_sm, use_amx);
+  float* yp = y.data_ptr<float>();
+  for_rows(M, [&](int64_t r) {
+    for (int64_t i = 0; i < H; ++i) yp[r * H + i] = x1p[r * H + i] + yp[r * H + i];
+  });
+  return y;
+}
+
+// --- the whole layer stack of a decode / verification step in one call ------------------------------
+// A step whose rows all attend row by row (decode, chain or tree verification) runs every layer as
+// attn_in -> attend_rows -> attn_out_mlp; doing that loop here instead of in Python saves ~40 us of
+// interpreter and dispatch per layer (over a millisecond per step of a 30-layer model, ~15 % of a
+// plain decode step). The same calls in the same order: the numbers are those of the per-layer path.
+struct FusedStack {
+  std::vector<torch::Tensor> qkv_nib, qkv_sm, o_nib, o_sm, gu_nib, gu_sm, down_nib, down_sm, in_norm, post_norm,
+      k_caches, v_caches;
+  double eps;
+  bool use_amx;
+  int64_t nq, nkv, D;
+  double scale;
+
+  // x [T, H] fp32 -> (x after the last layer, then x before each layer in `capture`, in order)
+  std::vector<torch::Tensor> run(torch::Tensor x, const torch::Tensor& cos, const torch::Tensor& sin,
+                                 const torch::Tensor& slots, const std::vector<int64_t>& rows,
+                                 const std::vector<int64_t>& lens, const std::vector<int64_t>& slot_lists,
+                                 const std::vector<torch::Tensor>& slot_tensors, const std::vector<int64_t>& capture) {
+    std::vector<torch::Tensor> out(1);
+    const int64_t T = x.size(0);
+    size_t c = 0;
+    for (size_t l = 0; l < qkv_nib.size(); ++l) {
+      if (c < capture.size() && capture[c] == static_cast<int64_t>(l)) { out.push_back(x); ++c; }
+      torch::Tensor q, a;
+      {
+        RECORD_FUNCTION("draftwise::attn_in", std::vector<c10::IValue>());
+        q = attn_in(x, in_norm[l], eps, qkv_nib[l], qkv_sm[l], use_amx, cos, sin, nq, nkv, D, slots, k_caches[l],
+                    v_caches[l]);
+      }
+      {
+        RECORD_FUNCTION("draftwise::attend_rows", std::vector<c10::IValue>());
+        a = at::empty({T, nq, D}, x.options());
+        attend_rows(q.view({T, nq, D}), k_caches[l], v_caches[l], a, rows, lens, slot_lists, slot_tensors, scale);
+      }
+      RECORD_FUNCTION("draftwise::attn_out_mlp", std::vector<c10::IValue>());
+      x = attn_out_mlp(x, a.view({T, nq * D}), o_nib[l], o_sm[l], post_norm[l], eps, gu_nib[l], gu_sm[l], down_nib[l],
+                       down_sm[l], use_amx);
+    }
+    out[0] = x;
+    return out;
+  }
+};
+
+// logits [M, V] fp32 -> int64 [M]: each row's argmax (first index of the maximum, as torch.argmax),
+// rows in parallel chunks
+inline torch::Tensor row_argmax(const torch::Tensor& logits) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == torch::kFloat && logits.is_contiguous(),
+              "logits: contiguous fp32 [M, V]");
+  const int64_t M = logits.size(0), V = logits.size(1);
+  TORCH_CHECK(V > 0 && V < (int64_t(1) << 31), "vocabulary size");
+  auto out = at::empty({M}, logits.options().dtype(torch::kLong));
+  const float* lp = logits.data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+  for_rows(M, [&](int64_t r) { op[r] = argmax_row(lp + r * V, V); });
+  return out;
+}
+
+}  // namespace draftwise
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  using namespace draftwise;
+  m.def("int4_linear", &int4_linear, "weight-stationary int4 (group 32) linear, bf16 x, fp32 out");
+  m.def("int8_linear", &int8_linear, "weight-stationary int8 (per output channel) linear, bf16 x, fp32 out");
+  m.def("attend_rows", &attend_rows, "row-invariant attention: every row alone over its own keys");
+  m.def("attn_in", &attn_in, "RMSNorm -> int4 qkv -> RoPE -> K/V into the cache, per row; returns q");
+  m.def("row_argmax", &row_argmax, "argmax of every logits row (first maximum), rows in parallel");
+  m.def("attn_out_mlp", &attn_out_mlp, "o_proj + residual -> RMSNorm -> int4 gate/up -> SiLU*up -> int4 down + residual");
+  py::class_<FusedStack>(m, "FusedStack")
+      .def(py::init([](std::vector<torch::Tensor> qkv_nib, std::vector<torch::Tensor> qkv_sm,
+                       std::vector<torch::Tensor> o_nib, std::vector<torch::Tensor> o_sm,
+                       std::vector<torch::Tensor> gu_nib, std::vector<torch::Tensor> gu_sm,
+                       std::vector<torch::Tensor> down_nib, std::vector<torch::Tensor> down_sm,
+                       std::vector<torch::Tensor> in_norm, std::vector<torch::Tensor> post_norm,
+                       std::vector<torch::Tensor> k_caches, std::vector<torch::Tensor> v_caches, double eps,
+                       bool use_amx, int64_t nq, int64_t nkv, int64_t D, double scale) {
+        return FusedStack{qkv_nib, qkv_sm, o_nib, o_sm, gu_nib, gu_sm, down_nib, down_sm, in_norm, post_norm,
+                          k_caches, v_caches, eps, use_amx, nq, nkv, D, scale};
+      }))
+      .def("run", &FusedStack::run, py::call_guard<py::gil_scoped_release>(),
+           "every layer of a row-by-row step: (x after the stack, x before each captured layer)");
+  m.def("amx_available", &amx_available);
+  m.attr("isa") = KERNEL_ISA;
+}
