@@ -53,3 +53,15 @@ def kernel_isa(request, monkeypatch):
     yield request.param
     monkeypatch.delenv("DRAFTWISE_ISA")
     kernels.reset()
+
+
+@pytest.fixture
+def isa_kernels(kernel_isa):
+    """Each compiled kernel ISA path this machine has (amx, avx512, avx2 where the CPU has them);
+    `none` (PyTorch's kernels, eager layers; tests/layers/test_quant.py) is skipped."""
+    from draftwise import kernels
+    if kernel_isa == "none":
+        pytest.skip("DRAFTWISE_ISA=none runs PyTorch's kernels and eager layers")
+    if kernels.load() is None:
+        pytest.skip(f"the {kernel_isa} kernels could not be built here (no compiler?)")
+    return kernel_isa

@@ -8,16 +8,7 @@ import torch
 from draftwise import LLM, SamplingParams, kernels
 from draftwise.layers.attention import CAUSAL, AttentionMetadata, slots_for_positions
 
-
-
-@pytest.fixture(autouse=True)
-def isa_kernels(kernel_isa):
-    if kernel_isa == "none":
-        pytest.skip("DRAFTWISE_ISA=none: no fused layer (PyTorch's kernels, eager layers)")
-    if kernels.load() is None:
-        pytest.skip(f"the {kernel_isa} kernels could not be built here (no compiler?)")
-    return kernel_isa
-
+pytestmark = pytest.mark.usefixtures("isa_kernels")          # every compiled ISA path here
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 PROMPTS = [{"prompt_token_ids": p} for p in ([5, 6, 7, 8, 9, 10, 11], [3] * 20, list(range(30, 70)), [7, 7, 7])]
 

@@ -12,16 +12,6 @@ from draftwise import LLM, SamplingParams, kernels
 from draftwise.layers.quant import quantize_int4_groupwise, quantize_int8_per_channel
 
 
-@pytest.fixture
-def isa_kernels(kernel_isa):
-    """The kernel module of each compiled ISA path here (amx, avx512, avx2 where the CPU has them)."""
-    if kernel_isa == "none":
-        pytest.skip("DRAFTWISE_ISA=none runs PyTorch's kernels (tests/layers/test_quant.py)")
-    if kernels.load() is None:
-        pytest.skip(f"the {kernel_isa} kernels could not be built here (no compiler?)")
-    return kernel_isa
-
-
 def _weights(N=96, K=128, seed=0):
     g = torch.Generator().manual_seed(seed)
     return quantize_int4_groupwise(torch.randn(N, K, generator=g) * 0.05)
