@@ -145,8 +145,9 @@ def pack_int4(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor):
 
 
 def unpack_int4(nibbles: torch.Tensor, sm: torch.Tensor) -> torch.Tensor:
-    """The fp32 [N, K] weight of a packed layout, computed as the kernel does: (128 + code) * scale
-    + (minimum - 128 * scale)."""
+    """The fp32 [N, K] weight of a packed layout, as the AVX-512 kernel forms it: (128 + code) * scale
+    + (minimum - 128 * scale) (the AVX2 kernel multiplies code * scale and adds the minimum after the
+    group's dot product; both equal code * scale + minimum up to fp32 rounding)."""
     B, P, _ = nibbles.shape
     codes = torch.stack([nibbles & 15, nibbles >> 4], -1)                        # [N/16, K/2, 16, 2]
     codes = codes.permute(0, 2, 1, 3).reshape(B * 16, P * 2).float() + 128.0      # [N, K]
