@@ -1,0 +1,130 @@
+"""GGUF weight formats, one small module per block family, decided per tensor.
+
+Every quantized GGUF type draftwise reads decodes, at load, into one exact form the kernels share:
+group-affine integer codes,
+
+    w[n, k] = scale[n, g] * (code[n, k] - offset) + minimum[n, g]      g = k // group  (16 or 32)
+
+with the codes small integers (4-bit unsigned, or int8; `offset` a per-tensor constant: 8 for Q4_0) and the scale and minimum fp32 numbers that
+are exact products of the block's fp16 super-scale and its integer sub-scales. That form holds each
+family's weights exactly: `dequantize()` of it equals `gguf.quants.dequantize` bit for bit (tests
+check every type), because each product `scale * code` is exact in fp32 and the one rounding left is
+the block format's own (its minimum added, as llama.cpp does). The kernels multiply the codes in
+fp32 and apply scale and minimum once per group (`draftwise/kernels/cpu/affine.h`).
+
+    legacy.py   Q4_0, Q4_1, Q5_0, Q5_1, Q8_0         blocks of 32, one fp16 scale (and minimum)
+    kquants.py  Q2_K, Q3_K, Q4_K, Q5_K, Q6_K          super-blocks of 256 with 6- or 8-bit sub-scales
+    iquants.py  IQ4_NL, IQ4_XS                       a non-linear 16-value codebook (int8 values)
+    dense.py    F32, F16, BF16                       plain numbers (norms, small tables)
+
+A type not listed is refused by name (`UnsupportedFormat`)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import torch
+
+
+class UnsupportedFormat(ValueError):
+    """A tensor's GGUF type has no reader here."""
+
+
+@dataclass
+class GroupAffine:
+    """A [N, K] weight as group-affine integer codes (the kernels' common form)."""
+    codes: torch.Tensor            # [N, K]: uint8 0..15 when bits == 4, else int8
+    scale: torch.Tensor            # [N, K / group] fp32
+    minimum: torch.Tensor | None   # [N, K / group] fp32, or None where the family has none (w = scale * code)
+    group: int                     # 16 or 32 inputs per scale
+    bits: int                      # 4 (codes fit a nibble) or 8
+    offset: int = 0                # subtracted from every code (Q4_0: 8, Q3_K: 4)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.codes.shape)
+
+    def dequantize(self) -> torch.Tensor:
+        """The fp32 [N, K] weight: scale * (code - offset) (+ minimum), as `gguf.quants` computes it."""
+        N, K = self.codes.shape
+        c = (self.codes.float() - self.offset).reshape(N, K // self.group, self.group)
+        w = c * self.scale[..., None]
+        if self.minimum is not None:
+            w = w + self.minimum[..., None]
+        return w.reshape(N, K)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` dequantized (an embedding lookup reads only the rows it needs)."""
+        c = (self.codes[ids].float() - self.offset).unflatten(-1, (-1, self.group))
+        w = c * self.scale[ids].unsqueeze(-1)
+        if self.minimum is not None:
+            w = w + self.minimum[ids].unsqueeze(-1)
+        return w.flatten(-2)
+
+
+@dataclass(frozen=True)
+class BlockFormat:
+    """One GGUF type: its block geometry and its decoder (raw blocks [n, type_size] uint8 of a
+    row-major tensor -> (codes [n, block], scale [n, block/group], minimum or None))."""
+    name: str
+    block_size: int                # weights per block
+    type_size: int                 # bytes per block
+    group: int
+    bits: int
+    offset: int
+    decode_blocks: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray, np.ndarray | None]]
+
+
+FORMATS: dict[str, BlockFormat] = {}
+
+
+def register(fmt: BlockFormat) -> BlockFormat:
+    FORMATS[fmt.name] = fmt
+    return fmt
+
+
+def f16(raw: np.ndarray) -> np.ndarray:
+    """Little-endian fp16 bytes [..., 2] -> fp32 [...] (exact)."""
+    return np.ascontiguousarray(raw).view(np.float16)[..., 0].astype(np.float32)
+
+
+def nibbles(qs: np.ndarray) -> np.ndarray:
+    """Bytes [..., B] -> codes [..., 2B]: the low nibbles first, then the high (ggml's order)."""
+    return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+
+
+def is_dense(type_name: str) -> bool:
+    from draftwise.formats.dense import DENSE
+    return type_name in DENSE
+
+
+def supported_types() -> list[str]:
+    from draftwise.formats.dense import DENSE
+    return sorted(FORMATS) + sorted(DENSE)
+
+
+def block_format(type_name: str) -> BlockFormat:
+    fmt = FORMATS.get(type_name)
+    if fmt is None:
+        raise UnsupportedFormat(f"GGUF tensor type {type_name} is not supported "
+                                f"(supported: {', '.join(supported_types())})")
+    return fmt
+
+
+def decode(type_name: str, raw: np.ndarray, shape: tuple[int, int]) -> GroupAffine:
+    """A quantized [N, K] tensor's raw bytes (row-major blocks) -> its GroupAffine form."""
+    fmt = block_format(type_name)
+    N, K = shape
+    if K % fmt.block_size:
+        raise ValueError(f"a {type_name} tensor of {K} columns does not split into blocks of {fmt.block_size}")
+    blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(N * K // fmt.block_size, fmt.type_size)
+    codes, scale, minimum = fmt.decode_blocks(blocks)
+    codes_t = torch.from_numpy(np.ascontiguousarray(codes.reshape(N, K), dtype=np.uint8 if fmt.bits == 4 else np.int8))
+    as_t = lambda a: torch.from_numpy(np.ascontiguousarray(a.reshape(N, K // fmt.group), dtype=np.float32))  # noqa: E731
+    return GroupAffine(codes_t, as_t(scale), None if minimum is None else as_t(minimum), fmt.group, fmt.bits,
+                       fmt.offset)
+
+
+# the families register themselves
+from draftwise.formats import iquants, kquants, legacy  # noqa: E402,F401
