@@ -4,8 +4,10 @@ library in well under a second).
 
 `cpu/avx512.cpp` (AVX512-BF16 dot products, AMX-BF16 tiles where the OS grants them) and
 `cpu/avx2.cpp` (AVX2 + FMA + F16C) each provide the same functions: weight-stationary int4 (group 32,
-GGUF Q4_1) and int8 linears for every row count, the row-invariant attention over fp32 / bf16 / fp16
-paged caches, the fused decoder layer and layer stack (`cpu/layer.h`, shared), the row argmax.
+GGUF Q4_1) and int8 linears for every row count, the group-affine linear every GGUF block family
+runs on (`cpu/affine.h` on AVX2 FMAs, `cpu/avx512_affine.h` on AVX512-BF16 dot products; layouts by
+`pack_affine`), the row-invariant attention over fp32 / bf16 / fp16 paged caches, the fused decoder
+layer and layer stack (`cpu/layer.h`, shared), the row argmax.
 
 `isa()` is the one dispatch point: the best ISA this CPU has, or the one `DRAFTWISE_ISA` names
 (amx | avx512 | avx2 | none; `none` = PyTorch's own kernels). A machine's numbers depend on that ISA
@@ -271,3 +273,56 @@ def int8_linear_op(x: torch.Tensor, q8: torch.Tensor, scale: torch.Tensor, use_a
 @int8_linear_op.register_fake
 def _(x, q8, scale, use_amx):
     return x.new_empty((x.shape[0], q8.shape[0] * 16), dtype=torch.float32)
+
+
+def pack_affine(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor | None, group: int, bits: int):
+    """A GroupAffine weight (draftwise/formats) -> the affine kernel's layout: (codes: 4-bit uint8
+    [N/16, K/2, 16] or int8 [N/16, K, 16]; scale fp32 [N/16, K/group, 16]; minimum the same, or an
+    empty tensor)."""
+    N, K = codes.shape
+    if bits == 4:
+        c = codes.to(torch.uint8).reshape(N // 16, 16, K // 2, 2)
+        packed = (c[..., 0] | (c[..., 1] << 4)).transpose(1, 2).contiguous()
+    else:
+        packed = codes.to(torch.int8).reshape(N // 16, 16, K).transpose(1, 2).contiguous()
+
+    def per_block(t):
+        return t.float().reshape(N // 16, 16, K // group).transpose(1, 2).contiguous()
+    return packed, per_block(scale), torch.empty(0) if minimum is None else per_block(minimum)
+
+
+def unpack_affine(packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, group: int, offset: int):
+    """The fp32 [N, K] weight of the affine kernel's layout: scale * (code - offset) (+ minimum)."""
+    B = packed.shape[0]
+    if packed.dtype == torch.uint8:
+        codes = torch.stack([packed & 15, packed >> 4], -1).permute(0, 2, 1, 3).reshape(B * 16, -1)
+    else:
+        codes = packed.transpose(1, 2).reshape(B * 16, -1)
+    K = codes.shape[1]
+    w = (codes.float() - offset).reshape(B * 16, K // group, group) * scale.transpose(1, 2).reshape(B * 16, -1, 1)
+    if minimum.numel():
+        w = w + minimum.transpose(1, 2).reshape(B * 16, -1, 1)
+    return w.reshape(B * 16, K)
+
+
+def affine_linear(x_bf16: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
+                  group: int, offset: int) -> torch.Tensor:
+    """y [M, N] fp32 = x [M, K] (bf16) . W^T for a group-affine weight in the kernel's layout."""
+    if torch.compiler.is_compiling():
+        return affine_linear_op(x_bf16, packed, scale, minimum, group, offset)
+    mod = _state.get("mod") or load()
+    if torch.autograd.profiler._is_profiler_enabled:
+        with torch.profiler.record_function("draftwise::affine_linear"):
+            return mod.affine_linear(x_bf16.contiguous(), packed, scale, minimum, group, offset)
+    return mod.affine_linear(x_bf16.contiguous(), packed, scale, minimum, group, offset)
+
+
+@torch.library.custom_op("draftwise::affine_linear", mutates_args=())
+def affine_linear_op(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
+                     group: int, offset: int) -> torch.Tensor:
+    return load().affine_linear(x.contiguous(), packed, scale, minimum, group, offset)
+
+
+@affine_linear_op.register_fake
+def _(x, packed, scale, minimum, group, offset):
+    return x.new_empty((x.shape[0], packed.shape[0] * 16), dtype=torch.float32)

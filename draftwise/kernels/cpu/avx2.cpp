@@ -1,130 +1,26 @@
 // The CPU kernels on AVX2 + FMA + F16C (Intel since Haswell, AMD since Zen: the laptop and desktop
 // path), built with -mavx2 -mfma -mf16c and loaded only where the CPU has all three.
 //
-// int4 (Q4_1, group 32) and int8 (per channel) linears: y[M, N] = x[M, K] (bf16) . W[N, K]^T, fp32
-// out. There are no bf16 dot products here, so activations are widened to fp32 (exact) and each
-// block of 16 output columns multiplies them on fp32 FMAs, the codes converted to fp32 (exact). For
-// every output element the order of operations is fixed: per group of 32 inputs two partial dot
-// products (even and odd inputs, in input order), their sum times the group's scale added to the
-// accumulator, then the group's minimum times the sum of its inputs:
-//     acc = minimum * sum(x_g) + ((d_even + d_odd) * scale + acc)
-// A block's codes are converted once per call and serve every row (weight-stationary: unpacked in
-// registers for up to 3 rows, into a per-thread fp32 tile for more); rows are tiled in threes, and
-// the arithmetic of a row is the same whichever tile or path computed it. So a row's bits never
-// depend on how many rows shared the call: prefill chunks, decode and verification rows agree.
+// The int4 linear (GGUF Q4_1 blocks, group 32) is affine.h's group-affine kernel reading the scales
+// and minimums from their fp16 table; the int8 linear (one scale per output channel, the LM head of
+// a re-quantized model) is below. There are no bf16 dot products here, so activations are widened to
+// fp32 (exact) and each block of 16 output columns multiplies them on fp32 FMAs, the codes converted
+// to fp32 (exact). A block's codes are converted once per call and serve every row (weight-
+// stationary: unpacked in registers for up to 3 rows, into a per-thread fp32 tile for more); the
+// arithmetic of a row is the same whichever tile or path computed it, so a row's bits never depend on
+// how many rows shared the call: prefill chunks, decode and verification rows agree.
 //
 // The row-invariant attention, RMSNorm, SiLU-and-mul, bf16 rounding and the argmax follow the
 // AVX-512 file's algorithms 8 lanes at a time (their results differ from it in rounding only).
-#include "common.h"
+#include "affine.h"
 
 namespace draftwise {
 namespace {
 
-constexpr int MT_MAX = 3;       // rows per register tile
+using affine::MT_MAX;
 
-// bf16 [n] -> fp32 (exact)
-inline void widen_bf16(const uint16_t* src, float* dst, int64_t n) {
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8)
-    _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(_mm256_slli_epi32(
-        _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))), 16)));
-  for (; i < n; ++i) dst[i] = from_bf16(src[i]);
-}
-
-// the 8 lanes of v summed in a fixed order: (lo + hi) halves, then pairs
-inline float hsum8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
-  return _mm_cvtss_f32(s);
-}
-
-// per group of 32 fp32 inputs: their sum (the minimums' share), in a fixed order
-inline void group_sums(const float* x, int G, float* out) {
-  for (int g = 0; g < G; ++g) {
-    const float* p = x + g * GROUP;
-    const __m256 a = _mm256_add_ps(_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8));
-    const __m256 b = _mm256_add_ps(_mm256_loadu_ps(p + 16), _mm256_loadu_ps(p + 24));
-    out[g] = hsum8(_mm256_add_ps(a, b));
-  }
-}
-
-// pair p's codes as fp32: k = 2p (low nibbles) and k = 2p + 1 (high nibbles), columns 0-7 and 8-15
-inline void unpack_pair(const uint8_t* pk, __m256 w[4]) {
-  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(pk));
-  const __m256i lo = _mm256_cvtepu8_epi32(b), hi = _mm256_cvtepu8_epi32(_mm_unpackhi_epi64(b, b));
-  const __m256i m = _mm256_set1_epi32(15);
-  w[0] = _mm256_cvtepi32_ps(_mm256_and_si256(lo, m));
-  w[1] = _mm256_cvtepi32_ps(_mm256_and_si256(hi, m));
-  w[2] = _mm256_cvtepi32_ps(_mm256_srli_epi32(lo, 4));
-  w[3] = _mm256_cvtepi32_ps(_mm256_srli_epi32(hi, 4));
-}
-
-// a column block's codes, all pairs, as fp32 [K/2][4][8] (unpack_pair's order)
-inline void unpack_block(const uint8_t* pk, int K, float* tile) {
-  __m256 w[4];
-  for (int p = 0; p < K / 2; ++p) {
-    _mm_prefetch(reinterpret_cast<const char*>(pk + p * NB + PREFETCH_BYTES), _MM_HINT_T0);
-    unpack_pair(pk + p * NB, w);
-    for (int i = 0; i < 4; ++i) _mm256_store_ps(tile + p * 32 + i * 8, w[i]);
-  }
-}
-
-// MT rows of one column block: y rows = x rows . W^T (see the file's comment for the order); the
-// codes from `tile` (TILE) or unpacked from `pk` in registers
-template <int MT, bool TILE>
-void rows_int4(const float* x, const float* xs, int K, const uint8_t* pk, const float* tile, const uint16_t* sm,
-               float* y, int N) {
-  const int G = K / GROUP;
-  __m256 acc[MT][2];
-  for (int r = 0; r < MT; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-  for (int g = 0; g < G; ++g) {
-    __m256 d0[MT][2], d1[MT][2];
-    for (int r = 0; r < MT; ++r) d0[r][0] = d0[r][1] = d1[r][0] = d1[r][1] = _mm256_setzero_ps();
-    for (int q = 0; q < PAIRS; ++q) {
-      const int p = g * PAIRS + q;
-      __m256 w[4];
-      if (TILE) {
-        for (int i = 0; i < 4; ++i) w[i] = _mm256_load_ps(tile + p * 32 + i * 8);
-      } else {
-        if ((q & 3) == 0) _mm_prefetch(reinterpret_cast<const char*>(pk + p * NB + PREFETCH_BYTES), _MM_HINT_T0);
-        unpack_pair(pk + p * NB, w);
-      }
-      for (int r = 0; r < MT; ++r) {
-        const __m256 xa = _mm256_broadcast_ss(x + r * K + 2 * p), xb = _mm256_broadcast_ss(x + r * K + 2 * p + 1);
-        d0[r][0] = _mm256_fmadd_ps(xa, w[0], d0[r][0]);
-        d0[r][1] = _mm256_fmadd_ps(xa, w[1], d0[r][1]);
-        d1[r][0] = _mm256_fmadd_ps(xb, w[2], d1[r][0]);
-        d1[r][1] = _mm256_fmadd_ps(xb, w[3], d1[r][1]);
-      }
-    }
-    const uint16_t* sg = sm + g * 2 * NB;
-    const __m256 s[2] = {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sg))),
-                         _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sg + 8)))};
-    const __m256 m[2] = {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sg + NB))),
-                         _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sg + NB + 8)))};
-    for (int r = 0; r < MT; ++r) {
-      const __m256 xsum = _mm256_set1_ps(xs[r * G + g]);
-      for (int h = 0; h < 2; ++h)
-        acc[r][h] = _mm256_fmadd_ps(m[h], xsum, _mm256_fmadd_ps(_mm256_add_ps(d0[r][h], d1[r][h]), s[h], acc[r][h]));
-    }
-  }
-  for (int r = 0; r < MT; ++r) {
-    _mm256_storeu_ps(y + static_cast<int64_t>(r) * N, acc[r][0]);
-    _mm256_storeu_ps(y + static_cast<int64_t>(r) * N + 8, acc[r][1]);
-  }
-}
-
-template <bool TILE>
-void rows_int4_any(int mt, const float* x, const float* xs, int K, const uint8_t* pk, const float* tile,
-                   const uint16_t* sm, float* y, int N) {
-  switch (mt) {
-    case 1: rows_int4<1, TILE>(x, xs, K, pk, tile, sm, y, N); break;
-    case 2: rows_int4<2, TILE>(x, xs, K, pk, tile, sm, y, N); break;
-    case 3: rows_int4<3, TILE>(x, xs, K, pk, tile, sm, y, N); break;
-    default: break;
-  }
-}
+using affine::hsum8;
+using affine::widen_bf16;
 
 // --- int8, one scale per output channel (the LM head) ---------------------------------------------
 // pair p holds 16 columns x (k = 2p, 2p + 1) interleaved: 4 vectors of (column, k parity) lanes.
@@ -202,32 +98,9 @@ std::vector<float> widen_rows(const torch::Tensor& x) {
 torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& nibbles, const torch::Tensor& sm,
                           bool /*use_amx*/) {
   check_int4(x, nibbles, sm);
-  const int M = x.size(0), K = x.size(1), blocks = nibbles.size(0), N = blocks * NB, G = K / GROUP;
-  auto y = at::empty({M, N}, x.options().dtype(torch::kFloat));
-  if (M == 0) return y;
-  const std::vector<float> xf = widen_rows(x);
-  std::vector<float> xs(static_cast<size_t>(M) * G);
-  for_rows(M, [&](int64_t r) { group_sums(xf.data() + r * K, G, xs.data() + r * G); });
-  const uint8_t* pk = nibbles.data_ptr<uint8_t>();
-  const uint16_t* smp = reinterpret_cast<const uint16_t*>(sm.data_ptr<at::Half>());
-  float* yp = y.data_ptr<float>();
-  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
-    std::unique_ptr<Aligned<float>> tile;
-    if (M > MT_MAX) tile = std::make_unique<Aligned<float>>(static_cast<size_t>(K) * NB);
-    for (int64_t b = b0; b < b1; ++b) {
-      const uint8_t* pkb = pk + b * (K / 2) * NB;
-      const uint16_t* smb = smp + b * G * 2 * NB;
-      if (!tile) {
-        rows_int4_any<false>(M, xf.data(), xs.data(), K, pkb, nullptr, smb, yp + b * NB, N);
-        continue;
-      }
-      unpack_block(pkb, K, tile->p);
-      for (int m0 = 0; m0 < M; m0 += MT_MAX)
-        rows_int4_any<true>(std::min(MT_MAX, M - m0), xf.data() + static_cast<int64_t>(m0) * K, xs.data() + m0 * G,
-                            K, pkb, tile->p, smb, yp + static_cast<int64_t>(m0) * N + b * NB, N);
-    }
-  });
-  return y;
+  const affine::F16PairScales sc{reinterpret_cast<const uint16_t*>(sm.data_ptr<at::Half>()),
+                                 static_cast<int>(x.size(1) / GROUP)};
+  return affine::linear<affine::Nibbles>(x, GROUP, nibbles.data_ptr<uint8_t>(), 0, sc, nibbles.size(0));
 }
 
 torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& q8, const torch::Tensor& scale,
@@ -516,6 +389,11 @@ inline int64_t argmax_row(const float* x, int64_t n) {
 }  // namespace
 
 bool amx_available() { return false; }
+
+inline torch::Tensor affine_linear(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scale,
+                                   const torch::Tensor& minimum, int64_t group, int64_t offset) {
+  return affine_linear_avx2(x, codes, scale, minimum, group, offset);
+}
 
 }  // namespace draftwise
 

@@ -16,7 +16,7 @@
 // Layouts: common.h. The kernel forms minimum - 128 * scale in fp32 (see unpack_pairs).
 // ATen and the Python bindings only (not torch/extension.h, which pulls in all of libtorch's C++ API
 // and makes the first-run build ~40 % slower)
-#include "common.h"
+#include "avx512_affine.h"
 #include <sys/syscall.h>
 #include <unistd.h>
 #include <memory>
@@ -24,7 +24,6 @@
 namespace draftwise {
 namespace {
 
-#define AVX512BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
 #define AMXBF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,amx-tile,amx-bf16")))
 
 // nibbles of one column block -> bf16 of (128 + code), K/2 pairs x 16 columns x 2 (64-byte rows).
@@ -54,61 +53,21 @@ AVX512BF16 inline void load_sm(const uint16_t* sm, int g, __m512& s, __m512& m) 
   m = _mm512_fnmadd_ps(_mm512_set1_ps(128.0f), s, mn);
 }
 
-// per group of 32 bf16 inputs: their sum in fp32 (the minimums' share), in a fixed order: two
-// 16-lane halves added, then the lanes reduced - the same for every row, whatever the call's rows
-AVX512BF16 void group_sums(const uint16_t* x, int G, float* out) {
-  for (int g = 0; g < G; ++g) {
-    const __m512i w = _mm512_loadu_si512(x + g * GROUP);
-    const __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(w)), 16));
-    const __m512 hi = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(w, 1)), 16));
-    out[g] = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
-  }
+// the group scales of a Q4_1 column block for affine512's rows: the fp16 table's scale and the
+// minimum less 128 * scale (the codes were unpacked as 128 + code: load_sm)
+struct Q4Scales {
+  const uint16_t* sm;
+  bool has_min() const { return true; }
+};
+
+AVX512BF16 inline __m512 scale16(const Q4Scales& sc, int g) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc.sm + (g * 2) * NB)));
 }
 
-// y rows += per group: scale * (x . q) + minimum * sum(x)   (MT rows, dot products on AVX512-BF16)
-template <int MT>
-AVX512BF16 void rows_dot(const uint16_t* x, const float* xs, int K, const uint16_t* Q, const uint16_t* sm,
-                         float* y, int N) {
-  // per row and group: two partial dot products (even and odd pairs), summed in a fixed order
-  __m512 acc[MT];
-#pragma GCC unroll 16
-  for (int r = 0; r < MT; ++r) acc[r] = _mm512_setzero_ps();
-  const int G = K / GROUP;
-  for (int g = 0; g < G; ++g) {
-    __m512 d0[MT], d1[MT];
-#pragma GCC unroll 16
-    for (int r = 0; r < MT; ++r) { d0[r] = _mm512_setzero_ps(); d1[r] = _mm512_setzero_ps(); }
-    for (int q = 0; q < PAIRS; q += 2) {
-      const int p = g * PAIRS + q;
-      const __m512bh b0 = (__m512bh)_mm512_load_si512(Q + p * 32);
-      const __m512bh b1 = (__m512bh)_mm512_load_si512(Q + (p + 1) * 32);
-#pragma GCC unroll 16
-      for (int r = 0; r < MT; ++r) {
-        const int32_t* xr = reinterpret_cast<const int32_t*>(x + static_cast<int64_t>(r) * K);
-        d0[r] = _mm512_dpbf16_ps(d0[r], (__m512bh)_mm512_set1_epi32(xr[p]), b0);
-        d1[r] = _mm512_dpbf16_ps(d1[r], (__m512bh)_mm512_set1_epi32(xr[p + 1]), b1);
-      }
-    }
-    __m512 s, m;
-    load_sm(sm, g, s, m);
-#pragma GCC unroll 16
-    for (int r = 0; r < MT; ++r)
-      acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xs[r * G + g]),
-                               _mm512_fmadd_ps(_mm512_add_ps(d0[r], d1[r]), s, acc[r]));
-  }
-#pragma GCC unroll 16
-  for (int r = 0; r < MT; ++r) _mm512_storeu_ps(y + static_cast<int64_t>(r) * N, acc[r]);
-}
-
-AVX512BF16 void rows_dot_any(const uint16_t* x, const float* xs, int mt, int K, const uint16_t* Q, const uint16_t* sm,
-                             float* y, int N) {
-  switch (mt) {
-#define CASE(n) case n: rows_dot<n>(x, xs, K, Q, sm, y, N); break;
-    CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8)
-    CASE(9) CASE(10) CASE(11) CASE(12) CASE(13) CASE(14) CASE(15) CASE(16)
-#undef CASE
-    default: break;
-  }
+AVX512BF16 inline __m512 min16(const Q4Scales& sc, int g) {
+  __m512 s, m;
+  load_sm(sc.sm, g, s, m);
+  return m;
 }
 
 struct alignas(64) TileConfig {   // the LDTILECFG memory operand (palette 1)
@@ -262,15 +221,6 @@ AMXBF16 void rows_amx_wide(const uint16_t* x, const float* xs, int mt, int K, co
       _mm512_storeu_ps(y + static_cast<int64_t>(r) * N + j * NB, _mm512_load_ps(&acc[r][j * NB]));
 }
 
-// one thread's unpacked column block: K/2 pairs x 16 columns x 2 bf16, 64-byte aligned
-struct BlockTile {
-  uint16_t* p;
-  explicit BlockTile(int K) : p(static_cast<uint16_t*>(std::aligned_alloc(64, static_cast<size_t>(K) * NB * 2))) {}
-  ~BlockTile() { std::free(p); }
-  BlockTile(const BlockTile&) = delete;
-  BlockTile& operator=(const BlockTile&) = delete;
-};
-
 // --- int8, one scale per output channel (the LM head) ---------------------------------------------
 // q8: int8 [N/16, K/2, 16, 2] (pair layout), scale: float [N]. y = scale[n] * (x . q[n]): the codes
 // are exact in bf16, the dot products accumulate in fp32 over all of K, one multiply at the end.
@@ -282,38 +232,6 @@ AVX512BF16 void unpack_int8(const int8_t* q8, int K, uint16_t* out) {
     const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(v)));
     const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(v, 1)));
     _mm512_store_si512(out + p * 32, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
-  }
-}
-
-template <int MT>
-AVX512BF16 void rows_dot8(const uint16_t* x, int K, const uint16_t* Q, __m512 s, float* y, int N) {
-  __m512 d0[MT], d1[MT];
-#pragma GCC unroll 16
-  for (int r = 0; r < MT; ++r) { d0[r] = _mm512_setzero_ps(); d1[r] = _mm512_setzero_ps(); }
-  const int P = K / 2;
-  for (int p = 0; p < P; p += 2) {
-    const __m512bh b0 = (__m512bh)_mm512_load_si512(Q + p * 32);
-    const __m512bh b1 = (__m512bh)_mm512_load_si512(Q + (p + 1) * 32);
-#pragma GCC unroll 16
-    for (int r = 0; r < MT; ++r) {
-      const int32_t* xr = reinterpret_cast<const int32_t*>(x + static_cast<int64_t>(r) * K);
-      d0[r] = _mm512_dpbf16_ps(d0[r], (__m512bh)_mm512_set1_epi32(xr[p]), b0);
-      d1[r] = _mm512_dpbf16_ps(d1[r], (__m512bh)_mm512_set1_epi32(xr[p + 1]), b1);
-    }
-  }
-#pragma GCC unroll 16
-  for (int r = 0; r < MT; ++r)
-    _mm512_storeu_ps(y + static_cast<int64_t>(r) * N, _mm512_mul_ps(_mm512_add_ps(d0[r], d1[r]), s));
-}
-
-AVX512BF16 void rows_dot8_any(const uint16_t* x, int mt, int K, const uint16_t* Q, const float* scale, float* y, int N) {
-  const __m512 s = _mm512_loadu_ps(scale);
-  switch (mt) {
-#define CASE(n) case n: rows_dot8<n>(x, K, Q, s, y, N); break;
-    CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8)
-    CASE(9) CASE(10) CASE(11) CASE(12) CASE(13) CASE(14) CASE(15) CASE(16)
-#undef CASE
-    default: break;
   }
 }
 
@@ -356,7 +274,7 @@ torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& q8, const
   float* yp = y.data_ptr<float>();
   const bool amx = use_amx && amx_permitted();
   at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
-    BlockTile tile_mem(K);
+    Aligned<uint16_t> tile_mem(static_cast<size_t>(K) * NB);
     uint16_t* tile = tile_mem.p;
     int configured = 0;
     for (int64_t b = b0; b < b1; ++b) {
@@ -369,7 +287,7 @@ torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& q8, const
           if (configured != mt) { amx_config8(mt); configured = mt; }
           rows_amx8(xb, mt, K, tile, sp + b * NB, yb, N);
         } else {
-          rows_dot8_any(xb, mt, K, tile, sp + b * NB, yb, N);
+          affine512::rows_any(mt, xb, nullptr, K, K, tile, F32Scales{sp + b * NB, nullptr, 1}, yb, N);
         }
       }
     }
@@ -392,7 +310,7 @@ torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& nibbles, 
   // per row and group: the sum of the inputs (the minimums' share), from the same bf16 values, in a
   // fixed order (a row's sums do not depend on the other rows)
   std::vector<float> xs_mem(static_cast<size_t>(M) * G);
-  for_rows(M, [&](int64_t r) { group_sums(xp + r * K, G, xs_mem.data() + r * G); });
+  for_rows(M, [&](int64_t r) { affine512::group_sums(xp + r * K, K, GROUP, xs_mem.data() + r * G); });
   const float* xsp = xs_mem.data();
   const uint8_t* pk = nibbles.data_ptr<uint8_t>();
   const uint16_t* smp = reinterpret_cast<const uint16_t*>(sm.data_ptr<at::Half>());
@@ -403,7 +321,7 @@ torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& nibbles, 
     constexpr int64_t WIDE_ROWS = 256;
     const int64_t sets = blocks / WIDE, chunks = (M + WIDE_ROWS - 1) / WIDE_ROWS;
     at::parallel_for(0, sets * chunks, 1, [&](int64_t t0, int64_t t1) {
-      BlockTile tile_mem(K * WIDE);
+      Aligned<uint16_t> tile_mem(static_cast<size_t>(K) * NB * WIDE);
       std::unique_ptr<float, decltype(&std::free)> smf(static_cast<float*>(std::aligned_alloc(64, sizeof(float) * WIDE * G * 2 * NB)), &std::free);
       int configured = 0;
       for (int64_t t = t0; t < t1; ++t) {
@@ -424,7 +342,7 @@ torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& nibbles, 
     return y;
   }
   at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
-    BlockTile tile_mem(K);
+    Aligned<uint16_t> tile_mem(static_cast<size_t>(K) * NB);
     uint16_t* tile = tile_mem.p;
     int configured = 0;
     for (int64_t b = b0; b < b1; ++b) {
@@ -445,7 +363,7 @@ torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& nibbles, 
           if (configured != mt) { amx_config(mt); configured = mt; }
           rows_amx(xb, xsp + m0 * G, mt, K, tile, smb, yb, N);
         } else {
-          rows_dot_any(xb, xsp + m0 * G, mt, K, tile, smb, yb, N);
+          affine512::rows_any(mt, xb, xsp + m0 * G, K, GROUP, tile, Q4Scales{smb}, yb, N);
         }
       }
     }

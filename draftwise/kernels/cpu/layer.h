@@ -199,12 +199,13 @@ inline torch::Tensor row_argmax(const torch::Tensor& logits) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using namespace draftwise;
   m.def("int4_linear", &int4_linear, "weight-stationary int4 (group 32) linear, bf16 x, fp32 out");
+  m.def("affine_linear", &affine_linear, "group-affine linear (every GGUF block family), bf16 x, fp32 out");
   m.def("int8_linear", &int8_linear, "weight-stationary int8 (per output channel) linear, bf16 x, fp32 out");
   m.def("attend_rows", &attend_rows, "row-invariant attention: every row alone over its own keys");
   m.def("attn_in", &attn_in, "RMSNorm -> int4 qkv -> RoPE -> K/V into the cache, per row; returns q");
   m.def("row_argmax", &row_argmax, "argmax of every logits row (first maximum), rows in parallel");
   m.def("attn_out_mlp", &attn_out_mlp, "o_proj + residual -> RMSNorm -> int4 gate/up -> SiLU*up -> int4 down + residual");
-  py::class_<FusedStack>(m, "FusedStack")
+  py::class_<FusedStack>(m, "FusedStack", py::module_local())   // one per ISA module in a process
       .def(py::init([](std::vector<torch::Tensor> qkv_nib, std::vector<torch::Tensor> qkv_sm,
                        std::vector<torch::Tensor> o_nib, std::vector<torch::Tensor> o_sm,
                        std::vector<torch::Tensor> gu_nib, std::vector<torch::Tensor> gu_sm,
