@@ -18,9 +18,10 @@
 #define AVX512BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
 
 namespace draftwise {
-namespace affine512 {
 
 using affine::F32Scales;
+
+namespace affine512 {
 
 // a column block's 16 scales / minimums of group g, from affine.h's F32Scales (with G = 1 and
 // group = K it holds one scale per output channel: the int8 linear)
