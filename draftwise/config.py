@@ -30,10 +30,13 @@ def _rope_fields(d: dict) -> tuple[float, dict | None]:
     return float(theta), scaling
 
 
+HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+
 @dataclass
 class ModelConfig:
-    """Architecture of a decoder-only transformer (Llama family or Qwen3)."""
-    architecture: str = "llama"          # "llama" | "qwen3"
+    """Architecture of a decoder-only transformer (the Llama family: Llama, Qwen2, Qwen3)."""
+    architecture: str = "llama"          # "llama" | "qwen2" (q/k/v biases) | "qwen3" (q/k norms)
     vocab_size: int = 32000
     hidden_size: int = 64
     intermediate_size: int = 128
@@ -59,7 +62,7 @@ class ModelConfig:
     def from_hf_dict(cls, d: dict) -> "ModelConfig":
         archs = d.get("architectures") or []
         model_type = d.get("model_type", "llama")
-        arch = "qwen3" if (model_type == "qwen3" or any("Qwen3" in a for a in archs)) else "llama"
+        arch = next((a for a in ("qwen3", "qwen2") if model_type == a or any(a.title() in x for x in archs)), "llama")
         heads = d["num_attention_heads"]
         eos = d.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
@@ -78,7 +81,7 @@ class ModelConfig:
             rope_scaling=scaling,
             tie_word_embeddings=d.get("tie_word_embeddings", False),
             max_position_embeddings=d.get("max_position_embeddings", 2048),
-            attention_bias=d.get("attention_bias", False),
+            attention_bias=d.get("attention_bias", arch == "qwen2"),     # Qwen2 always has q/k/v biases
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=eos_ids,
             extra=d,
@@ -87,7 +90,7 @@ class ModelConfig:
     def to_hf_dict(self) -> dict:
         d = dict(self.extra)
         d.update({
-            "architectures": ["Qwen3ForCausalLM" if self.architecture == "qwen3" else "LlamaForCausalLM"],
+            "architectures": [HF_ARCHITECTURES[self.architecture]],
             "model_type": self.architecture,
             "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size, "num_hidden_layers": self.num_hidden_layers,
@@ -234,7 +237,8 @@ class EngineConfig:
     # eager steps; False compiles the step's graphs (worker/compiled_graphs.py)
     enforce_eager: bool = True
     compile_sizes: tuple[int, ...] | None = None   # static token buckets; None: (1, 2, 4, 8)
-    # weight-only quantization of the target's (and drafter's) linears: None | "int8" | "int4"
+    # weight-only quantization of the target's (and drafter's) linears: None | "int8" | "int4" |
+    # "gguf" (a GGUF's own blocks, every type: draftwise/formats)
     quantization: str | None = None
     # automatic prefix caching: full KV blocks shared across requests by a hash of their tokens
     enable_prefix_caching: bool = True
@@ -255,8 +259,8 @@ class EngineConfig:
         if self.distributed_executor_backend not in ("mp", "ray"):
             raise ValueError(f"distributed_executor_backend must be 'mp' or 'ray', got "
                              f"{self.distributed_executor_backend!r}")
-        if self.quantization is not None and self.quantization not in ("int8", "int4"):
-            raise ValueError(f"unknown quantization {self.quantization!r}; choose 'int8', 'int4' or None")
+        if self.quantization is not None and self.quantization not in ("int8", "int4", "gguf"):
+            raise ValueError(f"unknown quantization {self.quantization!r}; choose 'gguf', 'int8', 'int4' or None")
         if self.dtype not in DTYPES:
             raise ValueError(f"unknown dtype {self.dtype!r}; choose one of {sorted(DTYPES)}")
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size", "tensor_parallel_size"):

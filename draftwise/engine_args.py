@@ -35,9 +35,10 @@ def default_speculative_config(model: str) -> dict:
 
 
 def resolve_quantization(model: str, quantization: str | None) -> str | None:
-    """"auto" (the default): the model's own weight format - a Q4_1 GGUF (the packaged SmolLM2) runs
-    as int4, exactly its blocks; anything else in its checkpoint dtype. "none" / None: the checkpoint
-    dtype (a GGUF dequantized to fp32). "int8" / "int4": weight-only quantization."""
+    """"auto" (the default): the model's own weight format - a quantized GGUF runs on its own
+    blocks ("gguf", every type draftwise/formats reads), anything else in its checkpoint dtype.
+    "none" / None: the checkpoint dtype (a GGUF dequantized to fp32). "int8" / "int4": weight-only
+    quantization."""
     if quantization is None or str(quantization).lower() in ("none", "fp32", "float32"):
         return None
     if str(quantization).lower() == "auto":
@@ -68,9 +69,9 @@ class EngineArgs:
                                        "weights where the CPU attention kernel runs, else the model's dtype)",
                                choices=["auto", "float32", "bfloat16", "float16"])
     dtype: str = _opt("float32", "activation / weight dtype", choices=["float32", "bfloat16", "float16"])
-    quantization: str | None = _opt("auto", "weights: auto (the model's own format: the packaged Q4_1 GGUF "
-                                            "runs as int4), none (the checkpoint dtype), int8, int4",
-                                    choices=["auto", "none", "int8", "int4"])
+    quantization: str | None = _opt("auto", "weights: auto (the model's own format: a quantized GGUF runs on "
+                                            "its own blocks), gguf, none (the checkpoint dtype), int8, int4",
+                                    choices=["auto", "gguf", "none", "int8", "int4"])
     device: str = _opt("cpu", "cpu, or cuda (untested: no GPU was at hand)")
     seed: int = _opt(0, "engine seed")
     threads: int | None = _opt(None, "torch CPU threads (default: all cores)")

@@ -61,7 +61,7 @@ def add_bench_args(p) -> None:
                    help="compiled graphs for every engine method (default: eager steps, as every entry point)")
     p.add_argument("--enforce-eager", dest="enforce_eager", action="store_true", default=True,
                    help="eager steps (the default)")
-    p.add_argument("--quantization", default="auto", choices=["auto", "none", "int8", "int4"],
+    p.add_argument("--quantization", default="auto", choices=["auto", "gguf", "none", "int8", "int4"],
                    help="target weights for every engine method without an @none/@int8/@int4 suffix (default: "
                         "auto, the engine's default - the model's own format, Q4_1 for the packaged GGUF)")
     p.add_argument("--rounds", type=int, default=1, help="sweep: repeat the sweep, report medians")
@@ -99,8 +99,8 @@ def parse_methods(s: str, default_quantization: str | None = None) -> list[tuple
             name = item
             base, _, q = item.partition("@")
             if q:
-                if q not in ("none", "int8", "int4"):
-                    raise ValueError(f"unknown quantization suffix @{q} in {item!r} (use @none, @int8 or @int4)")
+                if q not in ("none", "int8", "int4", "gguf"):
+                    raise ValueError(f"unknown quantization suffix @{q} in {item!r} (use @none, @gguf, @int8 or @int4)")
                 quant = q
             if base in PRESETS:
                 spec = PRESETS[base]

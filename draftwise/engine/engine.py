@@ -51,7 +51,7 @@ class LLMEngine:
         self.tp = self._start_tensor_parallel() if config.tensor_parallel_size > 1 else None
         self.model, self.model_cfg, self.model_path = load_target_model(
             config.model, config.torch_dtype, config.device,
-            max_position=config.max_model_len + 256)
+            max_position=config.max_model_len + 256, quantization=config.quantization)
         drafter_target = self.model
         if self.tp is not None:
             from draftwise.distributed.tensor_parallel import DrafterTargetView, shard_target
@@ -175,22 +175,27 @@ class LLMEngine:
         if self.tp is not None:
             self.tp.shutdown()
 
-    def _keep_embedding_quantized(self) -> None:
-        """int4 from a GGUF whose token embedding is Q8_0: look tokens up in those blocks instead of
-        the dense fp32 table (exact; saves ~3/4 of the table). Done before the drafters are built,
-        since they share the target's embedding; the LM head keeps reading the dense weight until
-        the quantization below replaces it."""
+    def _gguf_blocks(self):
+        """int4 on a GGUF: the file's own blocks (models/gguf_weights.py, decoded on demand), so
+        its Q4_1 / Q4_0 layer weights and its embedding stay exact; {} otherwise ("gguf" models are
+        built from their blocks by the loader)."""
         from draftwise.models.loader import gguf_path_for
         gguf = gguf_path_for(self.config.model)
-        if self.config.quantization != "int4" or gguf is None or self.tp is not None:
+        if gguf is None or self.config.quantization != "int4" or self.tp is not None:
+            return {}
+        from draftwise.models.gguf_weights import GGUFBlocks
+        return GGUFBlocks(gguf)
+
+    def _keep_embedding_quantized(self) -> None:
+        """Look tokens up in the GGUF's own embedding blocks instead of the dense fp32 table (exact;
+        a quarter of the table's memory or less). Done before the drafters are built, since they
+        share the target's embedding; the LM head keeps reading the dense weight until the
+        quantization below replaces it."""
+        parts = self._gguf_blocks().get("embed_tokens")
+        if not parts or tuple(parts[0].codes.shape) != tuple(self.model.embed_tokens.weight.shape):
             return
-        from draftwise.config import cache_dir
-        from draftwise.layers.quant import Q8Embedding
-        from draftwise.models.gguf_convert import gguf_q8_0_embedding
-        blocks = gguf_q8_0_embedding(gguf, cache_dir())
-        if blocks is None or tuple(blocks[0].shape) != tuple(self.model.embed_tokens.weight.shape):
-            return
-        self.model.embed_tokens = Q8Embedding(*blocks, dtype=self.config.torch_dtype).to(self.config.device)
+        from draftwise.layers.quant import GroupAffineEmbedding
+        self.model.embed_tokens = GroupAffineEmbedding(parts[0], dtype=self.config.torch_dtype).to(self.config.device)
 
     def _prepare_linears(self) -> None:
         """Weight-only quantization (layers/quant.py), else, on CPU, the weight layout the execution
@@ -200,17 +205,10 @@ class LLMEngine:
         draft = getattr(self.proposer, "model", None)
         if config.quantization is not None:
             from draftwise.layers.quant import quantize_model
-            from draftwise.models.loader import gguf_path_for
-            source = None
-            gguf = gguf_path_for(config.model)
-            if config.quantization == "int4" and gguf is not None:
-                from draftwise.config import cache_dir
-                from draftwise.models.gguf_convert import gguf_int4_source
-                source = gguf_int4_source(gguf, cache_dir())
-            quantize_model(self.model, config.quantization, source)
+            quantize_model(self.model, config.quantization, self._gguf_blocks())
             if draft is not None:
                 quantize_model(draft, "int8")
-            if config.quantization == "int4" and config.enforce_eager and hasattr(self.model, "layers"):
+            if config.quantization in ("int4", "gguf") and config.enforce_eager and hasattr(self.model, "layers"):
                 # eager steps: each decoder layer in two C++ calls around attention
                 from draftwise.layers.fused_layer import enable_fused_layers
                 enable_fused_layers(self.model)

@@ -13,7 +13,7 @@ class LLM:
     """`LLM(model, **options)`: the options are EngineArgs' fields (engine_args.py), e.g.
     `speculative_config` - "auto" (default: suffix decoding, the measured fastest), None (plain
     decoding), or a dict / JSON string (SpeculativeConfig's keys) -, `quantization` - "auto"
-    (default: the model's own weight format), None, "int8" or "int4" -, `enforce_eager` (default
+    (default: the model's own weight format), None, "gguf", "int8" or "int4" -, `enforce_eager` (default
     True; False compiles the step's graphs), `max_model_len`, `max_num_seqs`, `threads`."""
 
     def __init__(self, model: str = DEFAULT_MODEL, **options):

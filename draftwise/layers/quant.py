@@ -23,7 +23,7 @@ from torch import nn
 
 from draftwise.layers.quant_formats import INT4_GROUP, quantize_int4_groupwise, quantize_int8_per_channel  # noqa: F401
 
-QUANTIZATION_MODES = ("int8", "int4")
+QUANTIZATION_MODES = ("int8", "int4", "gguf")
 
 
 def _draftwise_kernels() -> bool:
@@ -147,32 +147,41 @@ def _linear_bias(mod: nn.Module):
     return None if b is None else b.detach()
 
 
-def quantize_model(model: nn.Module, mode: str, int4_source: dict | None = None,
+def quantize_model(model: nn.Module, mode: str, source: dict | None = None,
                    skip: tuple[str, ...] = ()) -> dict:
     """Replace the linears of `model` (nn.Linear, or the engine's TransposedLinear) by quantized
-    ones, in place. int4: every layer linear with group-wise int4 - from `int4_source[name] =
-    (codes, scale, minimum)` when given (GGUF Q4_1 blocks, exact), else quantized from its weights
-    - and the LM head per-channel int8 (it reads the embedding, which GGUF stores as Q8_0). int8:
-    every linear per-channel int8. Returns {"exact": n, "quantized": n} counts."""
+    ones, in place.
+    - "gguf": every linear found in `source` (`models/gguf_weights.py`: {name: [GroupAffine parts]},
+      the file's own blocks) runs on them exactly - Q4_1 layer linears on the int4 kernels (the fused
+      layer reads them), every other family on the group-affine kernel; a linear the file keeps in
+      plain numbers stays as it is.
+    - "int4": every layer linear group-wise int4 - the file's own blocks where `source` holds them
+      as Q4_1 / Q4_0, else quantized from its weights (the Q4_1 recipe) - and the LM head per-channel
+      int8.
+    - "int8": every linear per-channel int8.
+    Returns {"exact": n, "quantized": n} counts."""
     from draftwise.layers.linear import TransposedLinear
     if mode not in QUANTIZATION_MODES:
         raise ValueError(f"unknown quantization {mode!r}; choose one of {', '.join(QUANTIZATION_MODES)} or None")
     counts = {"exact": 0, "quantized": 0}
-    int4_source = int4_source or {}
+    source = source or {}
     for name, child in list(model.named_modules()):
         for cname, sub in list(child.named_children()):
             full = f"{name}.{cname}" if name else cname
             if not isinstance(sub, (nn.Linear, TransposedLinear)) or any(full.startswith(s) for s in skip):
                 continue
             w, b = _linear_weight(sub), _linear_bias(sub)
-            if mode == "int4" and full != "lm_head" and w.shape[1] % INT4_GROUP == 0:
-                if full in int4_source:
-                    codes, scale, mn = int4_source[full]
-                    counts["exact"] += 1
-                else:
-                    codes, scale, mn = quantize_int4_groupwise(w)
-                    counts["quantized"] += 1
-                new = Int4Linear(codes, scale, mn, INT4_GROUP, b)
+            if mode == "gguf":
+                parts = source.get(full)
+                if parts is None or sum(p.codes.shape[0] for p in parts) != w.shape[0] \
+                        or parts[0].codes.shape[1] != w.shape[1]:
+                    continue
+                new = exact_linear(parts, b, full)
+                counts["exact"] += 1
+            elif mode == "int4" and full != "lm_head" and w.shape[1] % INT4_GROUP == 0:
+                exact = as_q4_1(source[full]) if full in source else None
+                new = Int4Linear(*(exact or quantize_int4_groupwise(w)), INT4_GROUP, b)
+                counts["exact" if exact else "quantized"] += 1
             else:
                 q, s = quantize_int8_per_channel(w)
                 new = Int8Linear(q, s, b)
@@ -181,25 +190,103 @@ def quantize_model(model: nn.Module, mode: str, int4_source: dict | None = None,
     return counts
 
 
-class Q8Embedding(nn.Module):
-    """A token embedding kept as GGUF Q8_0 blocks (int8 codes, one fp16 scale per 32 columns): a
-    lookup dequantizes only the rows it reads. `codes * scale` in fp32 is exact (an 11-bit
-    mantissa times an 8-bit integer), so rows equal those of the dense fp32 table converted from
-    the same blocks, at a quarter of its memory."""
+def exact_linear(parts, bias, name: str) -> nn.Module:
+    """Q4_1 layer weights (scale and minimum fp16-exact) on the int4 kernels, the rest group-affine."""
+    q4 = as_q4_1(parts) if name != "lm_head" else None
+    if q4 is not None:
+        return Int4Linear(*q4, INT4_GROUP, bias)
+    return GroupAffineLinear(parts, bias)
 
-    def __init__(self, codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32):
+
+def as_q4_1(parts):
+    """(codes, scale, minimum) of a weight the int4 kernels hold exactly - 4-bit codes in groups of
+    32 with fp16-exact scales and minimums (Q4_1; Q4_0 as minimum -8 d, exact) - else None."""
+    if len(parts) != 1:
+        return None
+    p = parts[0]
+    if p.bits != 4 or p.group != INT4_GROUP or p.codes.shape[0] % 16:
+        return None
+    if p.minimum is None and p.offset == 8:
+        minimum = -8.0 * p.scale
+    elif p.minimum is not None and p.offset == 0:
+        minimum = p.minimum
+    else:
+        return None
+    exact = lambda t: bool(torch.equal(t.half().float(), t))  # noqa: E731
+    return (p.codes, p.scale, minimum) if exact(p.scale) and exact(minimum) else None
+
+
+class GroupAffineLinear(_QuantizedLinear):
+    """A linear on a GGUF tensor's own blocks, any family (draftwise/formats): its row parts (one,
+    or several where a fused projection mixes block kinds) in the affine kernel's layout, each run
+    by draftwise's group-affine kernel and the outputs joined. Where no kernel runs (DRAFTWISE_ISA=
+    none, another architecture) every row is multiplied alone against the weight dequantized in
+    chunks of output columns: slow, exact, and the same for every row count."""
+
+    FALLBACK_CHUNK = 1024      # output columns dequantized at a time by the fallback
+
+    def __init__(self, parts, bias: torch.Tensor | None = None):
         super().__init__()
-        V, H = codes.shape
-        if H % scale.shape[1] or H // scale.shape[1] != 32 or scale.shape[0] != V:
-            raise ValueError(f"Q8_0 embedding: codes {tuple(codes.shape)} and scales {tuple(scale.shape)} "
-                             "do not match blocks of 32")
-        self.num_embeddings, self.embedding_dim, self.dtype = V, H, dtype
-        self.register_buffer("codes", codes.to(torch.int8).contiguous())
-        self.register_buffer("scale", scale.to(torch.float16).contiguous())
+        from draftwise.kernels import pack_affine
+        self.out_features = sum(p.codes.shape[0] for p in parts)
+        self.in_features = parts[0].codes.shape[1]
+        if any(p.codes.shape[0] % 16 for p in parts):
+            raise ValueError("group-affine linears need output sizes that are multiples of 16")
+        self.draftwise_kernel = _draftwise_kernels()
+        self.meta = [(p.group, p.offset) for p in parts]
+        for i, p in enumerate(parts):
+            packed, scale, minimum = pack_affine(p.codes, p.scale, p.minimum, p.group, p.bits)
+            self.register_buffer(f"codes{i}", packed)
+            self.register_buffer(f"scale{i}", scale)
+            self.register_buffer(f"minimum{i}", minimum)
+        self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
+
+    def packed_parts(self):
+        return [(getattr(self, f"codes{i}"), getattr(self, f"scale{i}"), getattr(self, f"minimum{i}"), g, off)
+                for i, (g, off) in enumerate(self.meta)]
+
+    def dequantize(self) -> torch.Tensor:
+        from draftwise.kernels import unpack_affine
+        return torch.cat([unpack_affine(*part) for part in self.packed_parts()], 0)
+
+    def _kernel(self, x2):
+        from draftwise.kernels import affine_linear, unpack_affine
+        if self.draftwise_kernel:
+            ys = [affine_linear(x2, *part) for part in self.packed_parts()]
+            return ys[0] if len(ys) == 1 else torch.cat(ys, 1)
+        x = x2.float()
+        y = x.new_empty(x.shape[0], self.out_features)
+        col = 0
+        for codes, scale, minimum, g, off in self.packed_parts():
+            blocks = self.FALLBACK_CHUNK // 16
+            for b0 in range(0, codes.shape[0], blocks):
+                part = (codes[b0:b0 + blocks], scale[b0:b0 + blocks],
+                        minimum[b0:b0 + blocks] if minimum.numel() else minimum, g, off)
+                w = unpack_affine(*part)
+                for r in range(x.shape[0]):
+                    y[r, col:col + w.shape[0]] = torch.mv(w, x[r])
+                col += w.shape[0]
+        return y
+
+
+class GroupAffineEmbedding(nn.Module):
+    """A token embedding kept in the GGUF's own blocks (any family): a lookup dequantizes only the
+    rows it reads, exactly as the dense table converted from the same blocks would hold them."""
+
+    def __init__(self, weight, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = weight.codes.shape
+        self.dtype, self.group, self.offset = dtype, weight.group, weight.offset
+        self.register_buffer("codes", weight.codes.contiguous())
+        self.register_buffer("scale", weight.scale.contiguous())
+        self.register_buffer("minimum", None if weight.minimum is None else weight.minimum.contiguous())
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        rows = self.codes[ids].float().unflatten(-1, (-1, 32)) * self.scale[ids].float().unsqueeze(-1)
-        return rows.flatten(-2).to(self.dtype)
+        c = (self.codes[ids].float() - self.offset).unflatten(-1, (-1, self.group))
+        w = c * self.scale[ids].unsqueeze(-1)
+        if self.minimum is not None:
+            w = w + self.minimum[ids].unsqueeze(-1)
+        return w.flatten(-2).to(self.dtype)
 
     def dequantize(self) -> torch.Tensor:
         return self.forward(torch.arange(self.num_embeddings, device=self.codes.device))

@@ -16,6 +16,8 @@ import shutil
 import numpy as np
 import torch
 
+from draftwise.config import HF_ARCHITECTURES
+
 logger = logging.getLogger("draftwise")
 
 _NAME_MAP = {
@@ -41,31 +43,51 @@ def _field(reader, key, default=None):
     f = reader.fields.get(key)
     if f is None:
         return default
-    v = f.contents()
-    return v
+    try:
+        return f.contents()
+    except Exception:  # noqa: BLE001 - a value the parser cannot decode
+        raise ValueError(f"GGUF metadata {key!r} cannot be read") from None
+
+
+def _number(reader, key, kind, default=None, lo=1, hi=1 << 24):
+    """A numeric metadata value, checked to be a number in [lo, hi] (a hostile file's absurd sizes
+    are refused before anything is sized by them)."""
+    v = _field(reader, key, default)
+    if v is None:
+        raise ValueError(f"GGUF metadata {key!r} is missing")
+    try:
+        x = kind(v)
+    except (TypeError, ValueError):
+        raise ValueError(f"GGUF metadata {key!r} is {v!r}, not a number") from None
+    if not lo <= x <= hi:
+        raise ValueError(f"GGUF metadata {key!r} = {x} is outside [{lo}, {hi}]")
+    return x
 
 
 def gguf_config(reader) -> dict:
     arch = _field(reader, "general.architecture")
-    if arch not in ("llama", "qwen3"):
-        raise ValueError(f"GGUF architecture {arch!r} is not supported (llama, qwen3)")
-    g = lambda k, d=None: _field(reader, f"{arch}.{k}", d)  # noqa: E731
-    heads = int(g("attention.head_count"))
-    hidden = int(g("embedding_length"))
+    if arch not in HF_ARCHITECTURES:
+        raise ValueError(f"GGUF architecture {arch!r} is not supported ({', '.join(HF_ARCHITECTURES)})")
+    n = lambda k, d=None, hi=1 << 24: _number(reader, f"{arch}.{k}", int, d, hi=hi)  # noqa: E731
+    f = lambda k, d: _number(reader, f"{arch}.{k}", float, d, lo=0.0, hi=1e12)  # noqa: E731
+    heads = n("attention.head_count", hi=4096)
+    hidden = n("embedding_length")
     names = {t.name for t in reader.tensors}
+    tokens = _field(reader, "tokenizer.ggml.tokens", [])
     cfg = {
-        "architectures": ["LlamaForCausalLM" if arch == "llama" else "Qwen3ForCausalLM"],
+        "architectures": [HF_ARCHITECTURES[arch]],
         "model_type": arch,
+        "attention_bias": arch == "qwen2",
         "hidden_size": hidden,
-        "intermediate_size": int(g("feed_forward_length")),
-        "num_hidden_layers": int(g("block_count")),
+        "intermediate_size": n("feed_forward_length"),
+        "num_hidden_layers": n("block_count", hi=1024),
         "num_attention_heads": heads,
-        "num_key_value_heads": int(g("attention.head_count_kv", heads)),
-        "head_dim": int(g("attention.key_length", hidden // heads)),
-        "rms_norm_eps": float(g("attention.layer_norm_rms_epsilon", 1e-6)),
-        "rope_theta": float(g("rope.freq_base", 10000.0)),
-        "max_position_embeddings": int(g("context_length", 2048)),
-        "vocab_size": int(g("vocab_size", len(_field(reader, "tokenizer.ggml.tokens", [])))),
+        "num_key_value_heads": n("attention.head_count_kv", heads, hi=4096),
+        "head_dim": n("attention.key_length", max(hidden // heads, 1), hi=4096),
+        "rms_norm_eps": f("attention.layer_norm_rms_epsilon", 1e-6),
+        "rope_theta": f("rope.freq_base", 10000.0),
+        "max_position_embeddings": n("context_length", 2048, hi=1 << 26),
+        "vocab_size": n("vocab_size", len(tokens) if isinstance(tokens, list) else None),
         "tie_word_embeddings": "output.weight" not in names,
         "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
         "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
@@ -109,24 +131,20 @@ def _file_key(path: str) -> str:
     return f"{os.path.basename(path).rsplit('.', 1)[0]}-{h}"
 
 
-def convert_gguf(path: str, cache_root: str) -> str:
-    """Convert a GGUF file to a cached Hugging Face directory; return the directory."""
-    from gguf import GGUFReader
-    from safetensors.torch import save_file
-
+def gguf_metadata_dir(path: str, cache_root: str) -> str:
+    """The cached directory of a GGUF's configuration (config.json) and tokenizer, read from its
+    metadata alone (a few MB at most; the weights stay in the file). Returns the directory."""
+    from draftwise.models.gguf_file import open_gguf
     out = os.path.join(cache_root, "models", _file_key(path))
-    if os.path.exists(os.path.join(out, "DONE")):
+    if os.path.exists(os.path.join(out, "config.json")) and (
+            os.path.exists(os.path.join(out, "META")) or os.path.exists(os.path.join(out, "DONE"))):
         return out
-    logger.info("converting %s (one-time, cached at %s)", path, out)
     tmp = out + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
-    reader = GGUFReader(path)
-    cfg = gguf_config(reader)
-    tensors = dict(iter_gguf_tensors(reader, cfg))
-    save_file(tensors, os.path.join(tmp, "model.safetensors"))
+    reader = open_gguf(path)
     with open(os.path.join(tmp, "config.json"), "w") as f:
-        json.dump(cfg, f, indent=2)
+        json.dump(gguf_config(reader), f, indent=2)
     try:
         from transformers import AutoTokenizer
         tok = AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(path)),
@@ -137,102 +155,26 @@ def convert_gguf(path: str, cache_root: str) -> str:
         tok.save_pretrained(tmp)
     except Exception as e:  # a model without a usable tokenizer still runs on token ids
         logger.warning("could not build a tokenizer from %s: %s", path, e)
-    open(os.path.join(tmp, "DONE"), "w").close()
+    open(os.path.join(tmp, "META"), "w").close()
     shutil.rmtree(out, ignore_errors=True)
     os.replace(tmp, out)
     return out
 
 
-# --- Q4_1 blocks for the int4 kernels (layers/quant.py) ------------------------------------------
-Q4_1_BLOCK = 32
-_FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-          "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
-
-
-def decode_q4_1(raw: np.ndarray, rows: int, cols: int):
-    """GGUF Q4_1 bytes -> (codes uint8 [rows, cols] in 0..15, d fp16 [rows, cols/32], m fp16 [...]),
-    with w = codes * d + m per block of 32 columns (ggml's block_q4_1: d, m, 16 bytes of nibbles;
-    low nibbles are columns 0..15 of the block, high nibbles 16..31)."""
-    blocks = raw.reshape(-1, 20)
-    d = blocks[:, 0:2].copy().view(np.float16)[:, 0]
-    m = blocks[:, 2:4].copy().view(np.float16)[:, 0]
-    qs = blocks[:, 4:]
-    codes = np.concatenate([qs & 0xF, qs >> 4], axis=1).astype(np.uint8)
-    return (codes.reshape(rows, cols), d.reshape(rows, cols // Q4_1_BLOCK), m.reshape(rows, cols // Q4_1_BLOCK))
-
-
-def gguf_int4_source(gguf_path: str, cache_root: str) -> dict:
-    """The GGUF's Q4_1 layer weights in the int4 layout, keyed by draftwise module name (q/k/v and
-    gate/up fused like the model): {name: (codes [N, K] uint8, scale [N, K/32], minimum [N, K/32])}.
-    Cached next to the converted model (the fp32 conversion's directory)."""
-    from safetensors.torch import load_file, save_file
-    out_dir = convert_gguf(gguf_path, cache_root)
-    cached = os.path.join(out_dir, "int4", "q4_1_blocks.safetensors")   # not a model shard
-    if not os.path.exists(cached):
-        os.makedirs(os.path.dirname(cached), exist_ok=True)
-        from gguf import GGUFReader
-        reader = GGUFReader(gguf_path)
-        cfg = gguf_config(reader)
-        n_head, n_kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-        parts: dict[str, dict[int, tuple]] = {}
-        for t in reader.tensors:
-            if t.tensor_type.name != "Q4_1" or not t.name.startswith("blk.") or not t.name.endswith(".weight"):
-                continue
-            _, idx, rest = t.name.split(".", 2)
-            base = rest.rsplit(".", 1)[0]
-            if base not in _BLOCK_MAP:
-                continue
-            cols, rows = (int(x) for x in t.shape)
-            codes, d, m = decode_q4_1(np.asarray(t.data), rows, cols)
-            if cfg["model_type"] == "llama" and base in ("attn_q", "attn_k"):
-                n = n_head if base == "attn_q" else n_kv
-                codes, d, m = (unpermute_qk(a, n) for a in (codes, d, m))
-            mod, proj = _BLOCK_MAP[base].split(".")
-            fused, shard = _FUSED.get(proj, (proj, 0))
-            parts.setdefault(f"layers.{idx}.{mod}.{fused}", {})[shard] = (codes, d, m)
-        tensors = {}
-        for name, shards in parts.items():
-            ordered = [shards[i] for i in sorted(shards)]
-            for j, key in enumerate(("codes", "scale", "minimum")):
-                tensors[f"{name}.{key}"] = torch.from_numpy(np.ascontiguousarray(
-                    np.concatenate([s[j] for s in ordered], axis=0)))
-        save_file(tensors, cached + ".tmp")
-        os.replace(cached + ".tmp", cached)
-    t = load_file(cached)
-    names = {k.rsplit(".", 1)[0] for k in t}
-    return {n: (t[f"{n}.codes"], t[f"{n}.scale"].float(), t[f"{n}.minimum"].float()) for n in names}
-
-
-# --- the Q8_0 token embedding, looked up without a dense copy (layers/quant.py Q8Embedding) ------
-Q8_0_BLOCK = 32
-
-
-def decode_q8_0(raw: np.ndarray, rows: int, cols: int):
-    """GGUF Q8_0 bytes -> (codes int8 [rows, cols], d fp16 [rows, cols/32]), w = codes * d per
-    block of 32 columns (ggml's block_q8_0: d, then 32 signed bytes)."""
-    blocks = raw.reshape(-1, 34)
-    d = blocks[:, 0:2].copy().view(np.float16)[:, 0]
-    codes = blocks[:, 2:].copy().view(np.int8)
-    return codes.reshape(rows, cols), d.reshape(rows, cols // Q8_0_BLOCK)
-
-
-def gguf_q8_0_embedding(gguf_path: str, cache_root: str) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The GGUF's token embedding as (codes int8 [V, H], scale fp16 [V, H/32]) when it is stored as
-    Q8_0 (None otherwise); cached next to the converted model."""
-    from safetensors.torch import load_file, save_file
-    out_dir = convert_gguf(gguf_path, cache_root)
-    cached = os.path.join(out_dir, "int4", "q8_0_embedding.safetensors")   # not a model shard
-    if not os.path.exists(cached):
-        from gguf import GGUFReader
-        reader = GGUFReader(gguf_path)
-        t = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
-        if t is None or t.tensor_type.name != "Q8_0":
-            return None
-        cols, rows = (int(x) for x in t.shape)
-        codes, d = decode_q8_0(np.asarray(t.data), rows, cols)
-        os.makedirs(os.path.dirname(cached), exist_ok=True)
-        save_file({"codes": torch.from_numpy(np.ascontiguousarray(codes)),
-                   "scale": torch.from_numpy(np.ascontiguousarray(d))}, cached + ".tmp")
-        os.replace(cached + ".tmp", cached)
-    t = load_file(cached)
-    return t["codes"], t["scale"]
+def convert_gguf(path: str, cache_root: str) -> str:
+    """The GGUF dequantized to a cached Hugging Face directory (fp32 model.safetensors beside the
+    metadata): what runs it unquantized (`quantization=None`) or re-quantized (int8 / int4).
+    Running a GGUF on its own blocks needs none of it (loader.load_gguf_target)."""
+    from draftwise.models.gguf_file import open_gguf
+    from safetensors.torch import save_file
+    out = gguf_metadata_dir(path, cache_root)
+    if os.path.exists(os.path.join(out, "DONE")):
+        return out
+    logger.info("dequantizing %s to fp32 (one-time, cached at %s)", path, out)
+    reader = open_gguf(path)
+    tensors = dict(iter_gguf_tensors(reader, gguf_config(reader)))
+    target = os.path.join(out, "model.safetensors")
+    save_file(tensors, target + ".tmp")
+    os.replace(target + ".tmp", target)
+    open(os.path.join(out, "DONE"), "w").close()
+    return out

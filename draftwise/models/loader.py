@@ -45,17 +45,18 @@ def gguf_path_for(model: str) -> str | None:
 
 
 def native_quantization(model: str) -> str | None:
-    """The weight format a model runs in by default: "int4" when it is a GGUF whose layer linears
-    are all Q4_1 blocks (the int4 kernels read them exactly, layers/quant.py), else None (the
-    checkpoint's dtype)."""
+    """The weight format a model runs in by default: "gguf" when it is a GGUF whose layer linears
+    are all in block types draftwise reads exactly (draftwise/formats; layers/quant.py runs them),
+    else None (the checkpoint's dtype)."""
     gguf = gguf_path_for(model)
     if gguf is None:
         return None
-    from gguf import GGUFReader
-    reader = GGUFReader(gguf)          # memory-mapped: only the tensor index is read here
+    from draftwise.models.gguf_file import open_gguf
+    reader = open_gguf(gguf)           # memory-mapped: only the tensor index is read here
     kinds = {t.tensor_type.name for t in reader.tensors
              if t.name.startswith("blk.") and t.name.endswith(".weight") and len(t.shape) == 2}
-    return "int4" if kinds == {"Q4_1"} else None
+    from draftwise.formats import FORMATS
+    return "gguf" if kinds and kinds <= set(FORMATS) else None
 
 
 def resolve_model_dir(model: str) -> str:
@@ -113,7 +114,13 @@ def iter_checkpoint_tensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
         yield from sd.items()
 
 
-def load_target_model(model: str, dtype: torch.dtype, device: str, max_position: int | None = None):
+def load_target_model(model: str, dtype: torch.dtype, device: str, max_position: int | None = None,
+                      quantization: str | None = None):
+    """(model, config, directory): a GGUF with quantization "gguf" is built straight from its blocks
+    (load_gguf_target); anything else from a checkpoint directory (a GGUF dequantized once)."""
+    gguf = gguf_path_for(model)
+    if gguf is not None and quantization == "gguf":
+        return load_gguf_target(gguf, dtype, device, max_position)
     path = resolve_model_dir(model)
     cfg = ModelConfig.from_hf_dict(read_config_json(path))
     cls = target_class(cfg)
@@ -124,6 +131,86 @@ def load_target_model(model: str, dtype: torch.dtype, device: str, max_position:
     m.rotary.to(dtype=torch.float32)
     m.eval()
     return m, cfg, path
+
+
+def load_gguf_target(path: str, dtype: torch.dtype, device: str, max_position: int | None = None):
+    """Build a target model from a GGUF file's own blocks, in bounded memory: the model is laid out
+    on the meta device (no weights allocated), then every module gets its weights straight from the
+    memory-mapped file, one module at a time - linears and the embedding as exact group-affine
+    blocks (layers/quant.py), norms and biases in fp32, a linear the file keeps in plain numbers
+    dense. No full-precision copy is made in memory or on disk; only config.json and the tokenizer
+    are cached."""
+    from torch import nn
+    from draftwise.layers.quant import GroupAffineEmbedding, exact_linear
+    from draftwise.layers.rotary import RotaryEmbedding
+    from draftwise.models.gguf_convert import _BLOCK_MAP, _NAME_MAP, gguf_metadata_dir
+    from draftwise.models.gguf_weights import GGUFBlocks
+    from draftwise.models.llama import load_stacked_weights
+    meta_dir = gguf_metadata_dir(path, cache_dir())
+    cfg = ModelConfig.from_hf_dict(read_config_json(meta_dir))
+    blocks = GGUFBlocks(path)
+    max_position = max(max_position or 0, cfg.max_position_embeddings)
+    with torch.device("meta"):
+        m = target_class(cfg)(cfg, max_position=max_position)
+    emb = blocks.get("embed_tokens")
+    if emb and tuple(emb[0].codes.shape) != (cfg.vocab_size, cfg.hidden_size):
+        raise ValueError(f"GGUF {path}: the token embedding is {list(emb[0].codes.shape)}, the configuration says "
+                         f"[{cfg.vocab_size}, {cfg.hidden_size}]")
+    m.embed_tokens = GroupAffineEmbedding(emb[0], dtype=dtype) if emb else \
+        nn.Embedding.from_pretrained(blocks.dense("token_embd.weight"), freeze=True)
+    for name, sub in list(m.named_modules()):
+        if not isinstance(sub, nn.Linear):
+            continue
+        parts, bias = blocks.get(name), blocks.bias(name)
+        if parts is not None:
+            rows, cols = sum(p.codes.shape[0] for p in parts), parts[0].codes.shape[1]
+            if (rows, cols) != (sub.out_features, sub.in_features) or (
+                    bias is not None and tuple(bias.shape) != (rows,)):
+                raise ValueError(f"GGUF {path}: {name} is [{rows}, {cols}] in the file, the configuration "
+                                 f"says [{sub.out_features}, {sub.in_features}]")
+            new = exact_linear(parts, bias, name)
+        else:
+            if name not in blocks.modules:
+                raise ValueError(f"GGUF {path}: no tensor for {name}")
+            w = blocks.dense_weight(name)
+            if tuple(w.shape) != (sub.out_features, sub.in_features):
+                raise ValueError(f"GGUF {path}: {name} is {list(w.shape)} in the file, the configuration says "
+                                 f"[{sub.out_features}, {sub.in_features}]")
+            new = nn.Linear(sub.in_features, sub.out_features, bias=bias is not None)
+            with torch.no_grad():
+                new.weight.copy_(w)
+                if bias is not None:
+                    new.bias.copy_(bias)
+        owner, _, attr = name.rpartition(".")
+        setattr(m.get_submodule(owner) if owner else m, attr, new)
+    m.rotary = RotaryEmbedding(cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling)
+    for mod in m.modules():                    # what is left on meta: norm weights, filled below
+        for pname, p in list(mod.named_parameters(recurse=False)):
+            if p.is_meta:
+                setattr(mod, pname, nn.Parameter(torch.empty(p.shape), requires_grad=False))
+    norms = []                                 # the 1-D weights: RMSNorm scales
+    for t in blocks.reader.tensors:
+        if len(t.shape) != 1 or not t.name.endswith(".weight"):
+            continue
+        if t.name in _NAME_MAP:
+            norms.append((_NAME_MAP[t.name], blocks.dense(t.name)))
+        elif t.name.startswith("blk."):
+            _, idx, rest = t.name.split(".", 2)
+            base = rest.rsplit(".", 1)[0]
+            if base in _BLOCK_MAP:
+                norms.append((f"model.layers.{idx}.{_BLOCK_MAP[base]}.weight", blocks.dense(t.name)))
+    loaded = load_stacked_weights(m, norms, strict=False)
+    missing = [n for n, p in m.named_parameters() if n not in loaded and not n.startswith("embed_tokens")
+               and not n.startswith("lm_head") and ".self_attn." not in n and ".mlp." not in n]
+    leftover = [n for n, t in [*m.named_parameters(), *m.named_buffers()] if t.is_meta]
+    if missing or leftover:
+        raise ValueError(f"GGUF {path}: no tensors for {sorted(missing + leftover)[:8]}")
+    for p in m.parameters():
+        p.data = p.data.to(dtype)
+    m.to(device=device)
+    m.rotary.to(dtype=torch.float32)
+    m.eval()
+    return m, cfg, meta_dir
 
 
 def load_tokenizer(path: str):

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 from draftwise.config import ModelConfig
 from draftwise.models.llama import LlamaForCausalLM
+from draftwise.models.qwen2 import Qwen2ForCausalLM
 from draftwise.models.qwen3 import Qwen3ForCausalLM
 
-TARGETS = {"llama": LlamaForCausalLM, "qwen3": Qwen3ForCausalLM}
+TARGETS = {"llama": LlamaForCausalLM, "qwen2": Qwen2ForCausalLM, "qwen3": Qwen3ForCausalLM}
 
 
 def target_class(cfg: ModelConfig):

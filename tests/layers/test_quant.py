@@ -35,34 +35,21 @@ def test_quantized_linears_equal_dequantized_reference(rows):
     assert lin4(x[None]).shape == (1, rows, 96)
 
 
-def test_q4_1_blocks_decode_exactly():
+def test_embedding_rows_equal_the_dense_table():
+    """A GGUF's token embedding stays in its own blocks: a lookup must give exactly the rows of the
+    fp32 table converted from them (gguf's own dequantization), at a fraction of its memory."""
     from gguf.quants import GGMLQuantizationType, dequantize, quantize
-    rng = np.random.default_rng(0)
-    w = (rng.standard_normal((8, 64)) * 0.1).astype(np.float32)
-    raw = quantize(w, GGMLQuantizationType.Q4_1)
-    from draftwise.models.gguf_convert import decode_q4_1
-    codes, d, m = decode_q4_1(np.asarray(raw), 8, 64)
-    mine = (codes.reshape(8, 2, 32) * d.astype(np.float32)[..., None] + m.astype(np.float32)[..., None]).reshape(8, 64)
-    np.testing.assert_array_equal(mine, dequantize(raw, GGMLQuantizationType.Q4_1).reshape(8, 64))
-
-
-def test_q8_0_embedding_rows_equal_the_dense_table():
-    """The default model's token embedding stays in its GGUF Q8_0 blocks: a lookup must give exactly
-    the rows of the fp32 table converted from them (gguf's own dequantization)."""
-    from gguf.quants import GGMLQuantizationType, dequantize, quantize
-    from draftwise.layers.quant import Q8Embedding
-    from draftwise.models.gguf_convert import decode_q8_0
+    from draftwise.formats import decode
+    from draftwise.layers.quant import GroupAffineEmbedding
     rng = np.random.default_rng(1)
     w = (rng.standard_normal((50, 96)) * 0.05).astype(np.float32)
-    raw = quantize(w, GGMLQuantizationType.Q8_0)
-    codes, d = decode_q8_0(np.asarray(raw), 50, 96)
-    table = torch.from_numpy(dequantize(raw, GGMLQuantizationType.Q8_0).reshape(50, 96).astype(np.float32))
-    emb = Q8Embedding(torch.from_numpy(codes), torch.from_numpy(d))
-    ids = torch.tensor([[0, 7, 49], [3, 3, 12]])
-    assert torch.equal(emb(ids), table[ids]) and torch.equal(emb.dequantize(), table)
-    assert emb.codes.element_size() * emb.codes.numel() + emb.scale.numel() * 2 < table.numel() * 4 / 3
-    with pytest.raises(ValueError, match="blocks of 32"):
-        Q8Embedding(torch.from_numpy(codes), torch.from_numpy(d[:, :2]))
+    for kind in ("Q8_0", "Q4_0", "Q5_1"):
+        raw = quantize(w, GGMLQuantizationType[kind])
+        table = torch.from_numpy(dequantize(raw, GGMLQuantizationType[kind]).reshape(50, 96).astype(np.float32))
+        emb = GroupAffineEmbedding(decode(kind, np.asarray(raw), (50, 96)))
+        ids = torch.tensor([[0, 7, 49], [3, 3, 12]])
+        assert torch.equal(emb(ids), table[ids]) and torch.equal(emb.dequantize(), table)
+        assert emb.codes.numel() * emb.codes.element_size() + emb.scale.numel() * 4 < table.numel() * 4 / 2
 
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])

@@ -1,0 +1,73 @@
+"""Opening a GGUF file safely: every reader of a GGUF goes through `open_gguf`, which refuses a
+malformed, truncated or hostile file with a `ValueError` naming the file and the problem - never a
+traceback from deep inside a parser, a hang, or an allocation sized by the header.
+
+Before the `gguf` package parses anything, the fixed header is checked against the file's size
+(every tensor info and key-value pair takes at least a few bytes, so counts larger than the file
+could hold are refused at once); after it parses, each tensor's dimensions, type and data range
+are checked against the file (a tensor whose bytes run past the end means a truncated file)."""
+from __future__ import annotations
+
+import os
+import struct
+
+import numpy as np
+
+GGUF_MAGIC = b"GGUF"
+_MIN_TENSOR_INFO = 8 + 1 + 4 + 4 + 8          # name length + 1 char, n_dims, one dim... type, offset
+_MIN_KV = 8 + 1 + 4 + 1                       # key length + 1 char, value type, 1-byte value
+MAX_DIMS = 4
+
+
+class GGUFError(ValueError):
+    """A GGUF file that cannot be read: the message names the file and the problem."""
+
+
+def check_header(path: str) -> tuple[int, int, int]:
+    """(version, n_tensors, n_kv) of a GGUF file whose fixed header is plausible for its size."""
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            head = f.read(24)
+    except OSError as e:
+        raise GGUFError(f"cannot read GGUF file {path}: {e.strerror or e}") from None
+    if len(head) < 24:
+        raise GGUFError(f"{path} is not a GGUF file: {size} bytes, shorter than the 24-byte header")
+    if head[:4] != GGUF_MAGIC:
+        raise GGUFError(f"{path} is not a GGUF file: it starts with {head[:4]!r}, not {GGUF_MAGIC!r}")
+    version, n_tensors, n_kv = struct.unpack("<IQQ", head[4:24])
+    if version not in (2, 3):
+        raise GGUFError(f"{path}: GGUF version {version} is not supported (2 or 3)")
+    if n_tensors * _MIN_TENSOR_INFO + n_kv * _MIN_KV > size - 24:
+        raise GGUFError(f"{path}: the header claims {n_tensors} tensors and {n_kv} metadata entries, more than "
+                        f"a file of {size} bytes can hold (truncated or corrupt)")
+    return version, n_tensors, n_kv
+
+
+def open_gguf(path: str):
+    """A `gguf.GGUFReader` of `path` (memory-mapped), or GGUFError saying what is wrong with it."""
+    from gguf import GGMLQuantizationType, GGML_QUANT_SIZES, GGUFReader
+    check_header(path)
+    try:
+        reader = GGUFReader(path)
+    except Exception as e:  # noqa: BLE001 - the parser's own errors: bad types, offsets, lengths
+        raise GGUFError(f"{path}: malformed GGUF ({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''})"
+                        ) from None
+    size = os.path.getsize(path)
+    for t in reader.tensors:
+        dims = [int(d) for d in t.shape]
+        if not 1 <= len(dims) <= MAX_DIMS or any(d <= 0 for d in dims):
+            raise GGUFError(f"{path}: tensor {t.name!r} has dimensions {dims}")
+        try:
+            kind = GGMLQuantizationType(int(t.tensor_type))
+            block, type_size = GGML_QUANT_SIZES[kind]
+        except (ValueError, KeyError):
+            raise GGUFError(f"{path}: tensor {t.name!r} has unknown type {int(t.tensor_type)}") from None
+        n = int(np.prod(dims, dtype=object))
+        if n % block or dims[0] % block:
+            raise GGUFError(f"{path}: tensor {t.name!r} ({kind.name}, {dims}) is not a whole number of blocks")
+        nbytes = n // block * type_size
+        if t.data_offset + nbytes > size or t.data.nbytes != nbytes:
+            raise GGUFError(f"{path}: tensor {t.name!r} needs {nbytes} bytes at offset {t.data_offset}, past the "
+                            f"end of the {size}-byte file (truncated)")
+    return reader

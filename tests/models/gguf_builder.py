@@ -1,0 +1,74 @@
+"""Tiny random Llama GGUF files in any block types, for tests (the `gguf` package writes them; it
+cannot quantize K-quants, so their blocks are valid random bytes with small finite scales)."""
+from __future__ import annotations
+
+import numpy as np
+from gguf import GGMLQuantizationType, GGUFWriter
+from gguf.quants import quantize
+
+from draftwise.formats import FORMATS
+
+# byte offsets of the fp16 scales of the types gguf cannot quantize (K-quants, IQ4)
+_KQ_F16 = {"Q2_K": [80, 82], "Q3_K": [108], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208], "IQ4_XS": [0], "IQ4_NL": [0]}
+
+
+def block_bytes(kind: str, w: np.ndarray, rng) -> np.ndarray:
+    """A [N, K] weight in `kind`'s blocks: quantized by gguf where it can, else random blocks whose
+    scales give weights of about w's size."""
+    if kind in _KQ_F16:
+        fmt = FORMATS[kind]
+        n = w.size // fmt.block_size
+        b = rng.integers(0, 256, size=(n, fmt.type_size), dtype=np.uint8)
+        for off in _KQ_F16[kind]:
+            b[:, off:off + 2] = np.full(n, 2e-3, np.float16).view(np.uint8).reshape(n, 2)
+        if kind == "Q6_K":
+            b[:, 192:208] = rng.integers(-8, 8, size=(n, 16)).astype(np.int8).view(np.uint8)
+        return b.reshape(w.shape[0], -1)
+    return quantize(w, GGMLQuantizationType[kind])
+
+
+def write_tiny_llama_gguf(path: str, types: dict[str, str], hidden=256, layers=2, heads=4, kv_heads=2,
+                          inter=512, vocab=512, seed=0, arch="llama") -> str:
+    """`types`: GGUF base name (attn_q, attn_k, attn_v, attn_output, ffn_gate, ffn_up, ffn_down,
+    token_embd, output) -> block type; missing ones F32. `arch`: llama, or qwen2 (q/k/v biases).
+    Writes a file with no tokenizer."""
+    rng = np.random.default_rng(seed)
+    w = GGUFWriter(path, arch)
+    w.add_block_count(layers)
+    w.add_context_length(512)
+    w.add_embedding_length(hidden)
+    w.add_feed_forward_length(inter)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_rope_freq_base(10000.0)
+    w.add_vocab_size(vocab)
+    hd = hidden // heads
+
+    def add(name: str, kind: str, shape):
+        x = (rng.standard_normal(shape) * 0.05).astype(np.float32)
+        if kind == "F32" or len(shape) == 1:
+            w.add_tensor(name, x if len(shape) == 2 else np.ones(shape, np.float32) + x * 0.1)
+        else:
+            raw = block_bytes(kind, x, rng)
+            w.add_tensor(name, raw, raw_shape=raw.shape, raw_dtype=GGMLQuantizationType[kind])
+
+    add("token_embd.weight", types.get("token_embd", "F32"), (vocab, hidden))
+    if "output" in types:
+        add("output.weight", types["output"], (vocab, hidden))
+    add("output_norm.weight", "F32", (hidden,))
+    shapes = {"attn_q": (heads * hd, hidden), "attn_k": (kv_heads * hd, hidden), "attn_v": (kv_heads * hd, hidden),
+              "attn_output": (hidden, heads * hd), "ffn_gate": (inter, hidden), "ffn_up": (inter, hidden),
+              "ffn_down": (hidden, inter)}
+    for i in range(layers):
+        add(f"blk.{i}.attn_norm.weight", "F32", (hidden,))
+        add(f"blk.{i}.ffn_norm.weight", "F32", (hidden,))
+        for base, shape in shapes.items():
+            add(f"blk.{i}.{base}.weight", types.get(base, "F32"), shape)
+            if arch == "qwen2" and base in ("attn_q", "attn_k", "attn_v"):
+                w.add_tensor(f"blk.{i}.{base}.bias", (rng.standard_normal(shape[0]) * 0.5).astype(np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path

@@ -1,0 +1,119 @@
+"""Malformed, truncated and hostile GGUF files are refused with a clear error naming the file and
+the problem: seeded mutations of a tiny file (header, metadata, tensor infos, truncation), each a
+ValueError or a file that still reads - never another exception, a hang or a large allocation."""
+import os
+import random
+import resource
+import struct
+import subprocess
+import sys
+import time
+
+import pytest
+
+from draftwise.formats import UnsupportedFormat  # noqa: F401 - a ValueError too
+from draftwise.models.gguf_convert import gguf_config
+from draftwise.models.gguf_file import GGUFError, open_gguf
+from draftwise.models.gguf_weights import GGUFBlocks
+from tests.models.gguf_builder import write_tiny_llama_gguf
+
+TYPES = {"attn_q": "Q8_0", "attn_k": "Q4_0", "attn_v": "Q8_0", "attn_output": "Q4_1", "ffn_gate": "Q8_0",
+         "ffn_up": "Q5_0", "ffn_down": "Q8_0", "token_embd": "Q8_0"}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("fuzz") / "tiny.gguf")
+    return write_tiny_llama_gguf(path, TYPES, hidden=64, layers=1, heads=2, kv_heads=1, inter=128, vocab=64)
+
+
+def read_everything(path: str) -> None:
+    """What loading a model reads of a file: the index, the configuration, every module's blocks."""
+    blocks = GGUFBlocks(path)
+    gguf_config(blocks.reader)
+    for name in blocks.modules:
+        blocks.get(name)
+    for t in blocks.reader.tensors:
+        if len(t.shape) == 1:
+            blocks.dense(t.name)
+
+
+def mutate(data: bytes, rng: random.Random) -> bytes:
+    b = bytearray(data)
+    kind = rng.randrange(5)
+    if kind == 0:                                    # truncation
+        return bytes(b[:rng.randrange(len(b))])
+    if kind == 1:                                    # absurd counts in the fixed header
+        off = rng.choice([4, 8, 16])
+        b[off:off + 8 if off else 4] = struct.pack("<Q", rng.choice([0, 1, 2 ** 31, 2 ** 62, 2 ** 64 - 1]))[
+            :8 if off else 4]
+        return bytes(b)
+    head = min(len(b), 4096)                         # metadata and tensor infos live up front
+    if kind == 2:                                    # random bytes flipped
+        for _ in range(rng.randint(1, 8)):
+            b[rng.randrange(head)] = rng.randrange(256)
+        return bytes(b)
+    if kind == 3:                                    # a length / count / offset replaced by a huge one
+        off = rng.randrange(24, head - 8)
+        b[off:off + 8] = struct.pack("<Q", rng.choice([2 ** 32, 2 ** 40, 2 ** 62, 2 ** 63 + 5, 2 ** 64 - 1]))
+        return bytes(b)
+    off = rng.randrange(24, head - 4)                # a 32-bit field (type, dimension count) scrambled
+    b[off:off + 4] = struct.pack("<I", rng.choice([0, 7, 31, 39, 99, 2 ** 31, 2 ** 32 - 1]))
+    return bytes(b)
+
+
+def test_two_thousand_mutations_each_read_or_refused_clearly(tiny, tmp_path):
+    data = open(tiny, "rb").read()
+    read_everything(tiny)
+    rng = random.Random(1234)
+    path = str(tmp_path / "mutant.gguf")
+    rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    start, refused = time.time(), 0
+    for i in range(2000):
+        with open(path, "wb") as f:
+            f.write(mutate(data, rng))
+        try:
+            read_everything(path)
+        except ValueError as e:
+            refused += 1
+            assert str(e), i
+        except Exception as e:  # noqa: BLE001
+            pytest.fail(f"mutation {i}: {type(e).__name__}: {e}")
+    elapsed = time.time() - start
+    grown_mb = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0) / 1024
+    assert refused > 1000, refused
+    assert elapsed < 60, elapsed                       # ~30 s on 2 busy cores; a hang would be minutes
+    assert grown_mb < 100, grown_mb
+
+
+@pytest.mark.parametrize("case", ["truncated", "magic", "huge_count", "missing"])
+def test_cli_refuses_a_bad_file_with_exit_status_2(tiny, tmp_path, case):
+    data = open(tiny, "rb").read()
+    path = str(tmp_path / f"{case}.gguf")
+    if case == "truncated":
+        data = data[: len(data) * 2 // 3]
+    elif case == "magic":
+        data = b"GGUX" + data[4:]
+    elif case == "huge_count":
+        data = data[:8] + struct.pack("<Q", 2 ** 62) + data[16:]
+    if case != "missing":
+        open(path, "wb").write(data)
+    r = subprocess.run([sys.executable, "-m", "draftwise.entrypoints.cli", "generate", "--model", path, "hi"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "Traceback" not in r.stderr
+    assert os.path.basename(path) in r.stderr or case == "missing", r.stderr[-500:]
+
+
+def test_header_checks_name_the_problem(tiny, tmp_path):
+    data = open(tiny, "rb").read()
+    p = tmp_path / "x.gguf"
+    p.write_bytes(data[:10])
+    with pytest.raises(GGUFError, match="shorter than the 24-byte header"):
+        open_gguf(str(p))
+    p.write_bytes(data[:8] + struct.pack("<Q", 2 ** 62) + data[16:])
+    with pytest.raises(GGUFError, match="more than a file of"):
+        open_gguf(str(p))
+    p.write_bytes(data[:4] + struct.pack("<I", 9) + data[8:])
+    with pytest.raises(GGUFError, match="version 9"):
+        open_gguf(str(p))

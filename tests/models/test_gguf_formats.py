@@ -1,0 +1,110 @@
+"""GGUF files in every block family run on their own blocks: the engine reads each tensor with its
+family's reader (no requantization), and greedy decoding gives the same tokens alone, in a batch,
+after a prefix-cache hit and under any chunking, on every ISA path this CPU has."""
+import pytest
+import torch
+
+from draftwise import LLM, SamplingParams
+from draftwise.layers.quant import GroupAffineEmbedding, GroupAffineLinear, Int4Linear
+from tests.models.gguf_builder import write_tiny_llama_gguf
+
+MIXES = {
+    # llama.cpp's Q4_K_M recipe: Q4_K with Q6_K for v and down, a Q6_K embedding (tied head)
+    "q4_k_m": {"attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q6_K", "attn_output": "Q4_K", "ffn_gate": "Q4_K",
+               "ffn_up": "Q4_K", "ffn_down": "Q6_K", "token_embd": "Q6_K"},
+    "legacy": {"attn_q": "Q4_0", "attn_k": "Q5_0", "attn_v": "Q5_1", "attn_output": "Q8_0", "ffn_gate": "Q4_1",
+               "ffn_up": "IQ4_NL", "ffn_down": "Q8_0", "token_embd": "Q8_0", "output": "Q5_0"},
+    "low_bits": {"attn_q": "Q2_K", "attn_k": "Q3_K", "attn_v": "Q5_K", "attn_output": "IQ4_XS", "ffn_gate": "Q3_K",
+                 "ffn_up": "Q2_K", "ffn_down": "Q5_K", "token_embd": "Q4_K"},
+}
+
+
+@pytest.fixture(scope="module", params=sorted(MIXES))
+def gguf_file(request, tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("gguf") / f"tiny-{request.param}.gguf")
+    return write_tiny_llama_gguf(path, MIXES[request.param], seed=len(request.param))
+
+
+def _tokens(llm, prompts, n=12):
+    sp = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], sp)]
+
+
+def test_every_family_runs_on_its_own_blocks(gguf_file, kernel_isa):
+    llm = LLM(model=gguf_file, max_model_len=256, max_num_batched_tokens=64)
+    eng = llm.engine
+    assert eng.config.quantization == "gguf"
+    mods = list(eng.model.modules())
+    assert isinstance(eng.model.embed_tokens, GroupAffineEmbedding)
+    lins = [m for m in mods if isinstance(m, (GroupAffineLinear, Int4Linear))]
+    assert len(lins) == 2 * 4 + 1                  # qkv, o, gate_up, down per layer, and the head
+    assert not any(isinstance(m, torch.nn.Linear) for m in mods)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in (20, 70, 150)]
+    alone = [_tokens(llm, [p])[0] for p in prompts]
+    assert _tokens(llm, prompts) == alone                 # in a batch, and now prefix-cache hits
+    assert _tokens(llm, prompts) == alone
+    other = LLM(model=gguf_file, max_model_len=256, max_num_batched_tokens=16, enable_prefix_caching=False)
+    assert _tokens(other, prompts) == alone               # 16-token prompt chunks
+
+
+def test_tokens_follow_the_dequantized_model(gguf_file):
+    """The exact blocks and the fp32 model dequantized from the same file (gguf's reference) give
+    logits within bf16-activation rounding: the first greedy tokens agree."""
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in (10, 40)]
+    mine = _tokens(LLM(model=gguf_file, max_model_len=128), prompts, n=1)
+    ref = _tokens(LLM(model=gguf_file, max_model_len=128, quantization=None), prompts, n=1)
+    assert mine == ref
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_architectures_match_transformers_reading_the_same_file(tmp_path, arch):
+    """transformers reads the same GGUF (dequantizing it with gguf, un-permuting llama's Q/K rows as
+    llama.cpp's converter permuted them): draftwise's fp32 model gives the same logits (1e-4
+    relative) and greedy tokens, its exact-blocks model (bf16 activations) logits within 2e-2."""
+    import numpy as np
+    path = write_tiny_llama_gguf(str(tmp_path / f"{arch}.gguf"), {"attn_q": "Q8_0", "attn_k": "Q8_0", "attn_v": "Q4_0",
+                                 "attn_output": "Q8_0", "ffn_gate": "Q8_0", "ffn_up": "Q4_1", "ffn_down": "Q8_0"},
+                                 hidden=128, heads=4, kv_heads=2, inter=256, vocab=256, arch=arch)
+    ref = _transformers_from_gguf(path)
+    ids = torch.randint(0, 256, (1, 24), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        want = ref(ids).logits[0, -1]
+    llm = LLM(model=path, max_model_len=128, quantization=None)
+    sp = SamplingParams(max_tokens=1, temperature=0, logprobs=5)
+    out = llm.generate([{"prompt_token_ids": ids[0].tolist()}], sp)[0].outputs[0]
+    ref_lp = torch.log_softmax(want.double(), -1)
+    top = out.logprobs[0].top_logprobs
+    assert len(top) == 5
+    for tok, lp in top:
+        np.testing.assert_allclose(lp, float(ref_lp[tok]), rtol=1e-4, atol=1e-4)
+    greedy = _tokens(llm, [ids[0].tolist()], n=4)[0]
+    hf, seq = [], ids
+    with torch.no_grad():
+        for _ in range(4):
+            nxt = int(ref(seq).logits[0, -1].argmax())
+            hf.append(nxt)
+            seq = torch.cat([seq, torch.tensor([[nxt]])], 1)
+    assert greedy == hf
+    # the exact blocks with bf16 activations: the same distribution up to bf16 rounding
+    blocks = LLM(model=path, max_model_len=128).generate([{"prompt_token_ids": ids[0].tolist()}], sp)[0].outputs[0]
+    for tok, lp in blocks.logprobs[0].top_logprobs:
+        np.testing.assert_allclose(lp, float(ref_lp[tok]), rtol=2e-2, atol=2e-2)
+
+
+def _transformers_from_gguf(path: str):
+    """transformers' own GGUF reading (what from_pretrained(gguf_file=...) does, without needing
+    accelerate): its config and its dequantized, un-permuted tensors."""
+    import transformers
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+    cfg = dict(load_gguf_checkpoint(path)["config"])
+    config = transformers.AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    ckpt = load_gguf_checkpoint(path, return_tensors=True, model_to_load=model)
+    sd = {k: torch.as_tensor(v) for k, v in ckpt["tensors"].items()}
+    missing, unexpected = model.load_state_dict(sd, strict=False)
+    assert not unexpected and all("lm_head" in m or "rotary" in m for m in missing), (missing, unexpected)
+    if config.tie_word_embeddings:
+        model.tie_weights()
+    return model.eval()
