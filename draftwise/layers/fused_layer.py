@@ -1,21 +1,22 @@
-"""A Llama decoder layer on int4 weights in two C++ calls around attention.
+"""A Llama-family decoder layer on quantized weights in two C++ calls around attention.
 
 Eagerly, a decoder layer is ~55 small PyTorch operations (RMSNorm in five, a bf16 cast before each
-int4 linear, RoPE in seven per tensor, SiLU-and-mul, residual adds); on a 135M-parameter model at
-one token per step their dispatch costs about as much as the int4 matmuls themselves. Where every
-linear of a layer runs on draftwise's int4 kernel, the layer runs as
+quantized linear, RoPE in seven per tensor, SiLU-and-mul, residual adds); on a 135M-parameter model
+at one token per step their dispatch costs about as much as the matmuls themselves. Where every
+linear of a layer runs on draftwise's kernels - int4 (Q4_1 / Q4_0 blocks) or group-affine (every
+other GGUF family), biases included (Qwen2) - the layer runs as
 
-    q = attn_in(x)                             RMSNorm -> bf16 -> qkv (int4) -> RoPE, K/V into the cache
+    q = attn_in(x)                             RMSNorm -> bf16 -> qkv (+ bias) -> RoPE, K/V into the cache
     o = attend_cached(q)                       the paged attention of the eager path
     x = attn_out_mlp(x, o)                     o_proj + residual -> RMSNorm -> gate/up -> SiLU * up
                                                -> down + residual
 
-(`draftwise/kernels/cpu/layer.h`, on every ISA's kernels). Every row is computed alone in a fixed
-order, as the int4 kernel and the row-invariant attention are, so a token's values do not depend on
-how many rows share the step - decode, verification, drafting and prefill chunks of any length
-alike: speculation stays bit-exact with plain decoding, and a prompt's K/V do not depend on how it
-was chunked. The RoPE cos / sin rows of a step are looked up once for all layers. Qwen3's q/k norms
-and attention biases keep the eager path."""
+(`draftwise/kernels/cpu/layer.h`, on every ISA's kernels; each linear is a kernel-side `Linear`
+holding its parts and bias). Every row is computed alone in a fixed order, as the kernels and the
+row-invariant attention are, so a token's values do not depend on how many rows share the step -
+decode, verification, drafting and prefill chunks of any length alike: speculation stays bit-exact
+with plain decoding, and a prompt's K/V do not depend on how it was chunked. The RoPE cos / sin rows
+of a step are looked up once for all layers. Qwen3's q/k norms keep the eager path."""
 from __future__ import annotations
 
 import contextlib
@@ -26,26 +27,40 @@ import torch
 
 @dataclass
 class FusedLayerWeights:
-    """A decoder layer's int4 weights in the kernel's packed layout (shared with its Int4Linears)."""
-    qkv: tuple[torch.Tensor, torch.Tensor]       # (nibbles, scales/minimums)
-    o: tuple[torch.Tensor, torch.Tensor]
-    gate_up: tuple[torch.Tensor, torch.Tensor]
-    down: tuple[torch.Tensor, torch.Tensor]
-    use_amx: bool
+    """A decoder layer's linears as the kernels' `Linear` objects (sharing their modules' tensors)."""
+    qkv: object
+    o: object
+    gate_up: object
+    down: object
+
+
+def kernel_linear(mod):
+    """The kernel module's `Linear` for a quantized linear running on draftwise's kernels, else None."""
+    from draftwise.kernels import load
+    from draftwise.layers.quant import GroupAffineLinear, Int4Linear
+    if not getattr(mod, "draftwise_kernel", False):
+        return None
+    bias = mod.bias if mod.bias is not None else torch.empty(0)
+    if isinstance(mod, Int4Linear):
+        return load().Linear([True], [mod.kernel_nibbles], [mod.kernel_sm], [torch.empty(0)], [32], [0], bias,
+                             mod.use_amx)
+    if isinstance(mod, GroupAffineLinear):
+        parts = mod.packed_parts()
+        return load().Linear([False] * len(parts), [p[0] for p in parts], [p[1] for p in parts],
+                             [p[2] for p in parts], [p[3] for p in parts], [p[4] for p in parts], bias, False)
+    return None
 
 
 def fusable(layer) -> FusedLayerWeights | None:
-    """The packed weights of `layer` (a Llama DecoderLayer) when all its linears run on draftwise's
-    int4 kernel without biases and it has no q/k norm; else None."""
-    from draftwise.layers.quant import Int4Linear
+    """The kernel linears of `layer` (a Llama-family DecoderLayer) when all its linears run on
+    draftwise's kernels and it has no q/k norm; else None."""
     attn, mlp = layer.self_attn, layer.mlp
-    lins = [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
-    if attn.qk_norm or not all(isinstance(m, Int4Linear) and m.draftwise_kernel and m.bias is None for m in lins):
+    if attn.qk_norm or attn.head_dim % 2:
         return None
-    if len({m.use_amx for m in lins}) != 1 or attn.head_dim % 2:
+    lins = [kernel_linear(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+    if any(lin is None for lin in lins):
         return None
-    packed = [(m.kernel_nibbles, m.kernel_sm) for m in lins]
-    return FusedLayerWeights(*packed, lins[0].use_amx)
+    return FusedLayerWeights(*lins)
 
 
 def enable_fused_layers(model) -> int:
@@ -81,12 +96,12 @@ def fused_layer_forward(layer, x: torch.Tensor, rope_rows, meta, kv_cache) -> to
     k_cache, v_cache = kv_cache.layer(attn.layer_idx)
     x = x.contiguous()
     with _label("draftwise::attn_in"):
-        q = mod.attn_in(x, layer.input_layernorm.weight, layer.input_layernorm.eps, *w.qkv, w.use_amx, cos, sin,
+        q = mod.attn_in(x, layer.input_layernorm.weight, layer.input_layernorm.eps, w.qkv, cos, sin,
                         attn.num_heads, attn.num_kv_heads, D, meta.slot_mapping, k_cache, v_cache)
     o = attend_cached(q.view(T, attn.num_heads, D), k_cache, v_cache, meta, attn.scale).reshape(T, attn.q_size)
     with _label("draftwise::attn_out_mlp"):
-        return mod.attn_out_mlp(x, o.contiguous(), *w.o, layer.post_attention_layernorm.weight,
-                                layer.post_attention_layernorm.eps, *w.gate_up, *w.down, w.use_amx)
+        return mod.attn_out_mlp(x, o.contiguous(), w.o, layer.post_attention_layernorm.weight,
+                                layer.post_attention_layernorm.eps, w.gate_up, w.down)
 
 
 def fused_stack_forward(model, x: torch.Tensor, rope_rows, meta, kv_cache, capture: tuple[int, ...]):
@@ -121,16 +136,13 @@ def _stack(model, kv_cache):
     layers = model.layers
     attn = layers[0].self_attn
     stack = None
-    if (attention_kernel_fits(attn.head_dim, attn.num_heads // attn.num_kv_heads, k0)
-            and len({layer.fused.use_amx for layer in layers}) == 1):
+    if attention_kernel_fits(attn.head_dim, attn.num_heads // attn.num_kv_heads, k0):
         w = [layer.fused for layer in layers]
         stack = load().FusedStack(
-            [f.qkv[0] for f in w], [f.qkv[1] for f in w], [f.o[0] for f in w], [f.o[1] for f in w],
-            [f.gate_up[0] for f in w], [f.gate_up[1] for f in w], [f.down[0] for f in w], [f.down[1] for f in w],
+            [f.qkv for f in w], [f.o for f in w], [f.gate_up for f in w], [f.down for f in w],
             [layer.input_layernorm.weight for layer in layers], [layer.post_attention_layernorm.weight for layer in layers],
             [kv_cache.layer(i)[0] for i in range(len(layers))], [kv_cache.layer(i)[1] for i in range(len(layers))],
-            float(layers[0].input_layernorm.eps), w[0].use_amx, attn.num_heads, attn.num_kv_heads, attn.head_dim,
-            float(attn.scale))
+            float(layers[0].input_layernorm.eps), attn.num_heads, attn.num_kv_heads, attn.head_dim, float(attn.scale))
     model._fused_stack = (key, stack)
     return stack
 

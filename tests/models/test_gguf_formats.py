@@ -16,13 +16,17 @@ MIXES = {
                "ffn_up": "IQ4_NL", "ffn_down": "Q8_0", "token_embd": "Q8_0", "output": "Q5_0"},
     "low_bits": {"attn_q": "Q2_K", "attn_k": "Q3_K", "attn_v": "Q5_K", "attn_output": "IQ4_XS", "ffn_gate": "Q3_K",
                  "ffn_up": "Q2_K", "ffn_down": "Q5_K", "token_embd": "Q4_K"},
+    # a Qwen2 file (q/k/v biases) as Qwen2.5-Coder-0.5B mixes its types
+    "qwen2": {"attn_q": "Q5_0", "attn_k": "Q5_0", "attn_v": "Q8_0", "attn_output": "Q5_0", "ffn_gate": "Q5_0",
+              "ffn_up": "Q5_0", "ffn_down": "Q8_0", "token_embd": "Q8_0"},
 }
 
 
 @pytest.fixture(scope="module", params=sorted(MIXES))
 def gguf_file(request, tmp_path_factory):
     path = str(tmp_path_factory.mktemp("gguf") / f"tiny-{request.param}.gguf")
-    return write_tiny_llama_gguf(path, MIXES[request.param], seed=len(request.param))
+    arch = "qwen2" if request.param == "qwen2" else "llama"
+    return write_tiny_llama_gguf(path, MIXES[request.param], seed=len(request.param), arch=arch)
 
 
 def _tokens(llm, prompts, n=12):
@@ -39,6 +43,8 @@ def test_every_family_runs_on_its_own_blocks(gguf_file, kernel_isa):
     lins = [m for m in mods if isinstance(m, (GroupAffineLinear, Int4Linear))]
     assert len(lins) == 2 * 4 + 1                  # qkv, o, gate_up, down per layer, and the head
     assert not any(isinstance(m, torch.nn.Linear) for m in mods)
+    # every layer runs fused on the kernels (int4 and group-affine linears, biases included)
+    assert all((layer.fused is not None) == (kernel_isa != "none") for layer in eng.model.layers)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in (20, 70, 150)]
     alone = [_tokens(llm, [p])[0] for p in prompts]

@@ -1,5 +1,5 @@
-// A decoder layer's elementwise work fused around the int4 linears, the whole layer stack of a
-// row-by-row step in one call, and the Python module - the same for every ISA.
+// A decoder layer's elementwise work fused around its linears (any kernel form: `Linear`), the whole
+// layer stack of a row-by-row step in one call, and the Python module - the same for every ISA.
 //
 // One call does what ~25 eager PyTorch ops per layer did (RMSNorm, the bf16 cast, RoPE, SiLU-and-mul,
 // the residual adds). Every row is computed alone, in a fixed order, so a row's values do not depend
@@ -9,6 +9,7 @@
 // namespace draftwise:
 //   torch::Tensor int4_linear(x, nibbles, sm, use_amx);      y [M, N] fp32 = x [M, K] bf16 . W^T
 //   torch::Tensor int8_linear(x, q8, scale, use_amx);
+//   torch::Tensor affine_linear(x, codes, scale, minimum, group, offset);
 //   void attend_rows(q, k_cache, v_cache, out, rows, lens, slot_lists, slots, scale);
 //   void to_bf16_n(const float*, uint16_t*, int64_t);        round to nearest even
 //   void rms_norm_row_bf16(x, w, r, H, eps, out);            out[r] = bf16(w * x[r] / rms(x[r]))
@@ -20,6 +21,39 @@
 #include <ATen/record_function.h>
 
 namespace draftwise {
+
+// A layer linear in the kernels' forms: its row parts (one, or several where a fused projection
+// mixes block kinds), each int4 (GGUF Q4_1 blocks: nibbles and their fp16 scale table) or
+// group-affine (every GGUF family), their outputs joined, then an optional fp32 bias added (the
+// eager path's order: the kernel's fp32 output, then + bias).
+struct Linear {
+  struct Part {
+    bool int4;
+    torch::Tensor codes, scale, minimum;
+    int64_t group, offset;
+  };
+  std::vector<Part> parts;
+  torch::Tensor bias;                  // fp32 [N], or empty
+  bool use_amx = false;
+
+  torch::Tensor operator()(const torch::Tensor& x) const {
+    std::vector<torch::Tensor> ys;
+    for (const Part& p : parts)
+      ys.push_back(p.int4 ? int4_linear(x, p.codes, p.scale, use_amx)
+                          : affine_linear(x, p.codes, p.scale, p.minimum, p.group, p.offset));
+    torch::Tensor y = ys.size() == 1 ? ys[0] : at::cat(ys, 1);
+    if (bias.numel()) {
+      const int64_t M = y.size(0), N = y.size(1);
+      TORCH_CHECK(bias.numel() == N && bias.scalar_type() == torch::kFloat && bias.is_contiguous(), "bias: fp32 [N]");
+      float* yp = y.data_ptr<float>();
+      const float* bp = bias.data_ptr<float>();
+      for_rows(M, [&](int64_t r) {
+        for (int64_t i = 0; i < N; ++i) yp[r * N + i] = yp[r * N + i] + bp[i];
+      });
+    }
+    return y;
+  }
+};
 
 inline void rms_norm_rows_bf16(const float* x, const float* w, int M, int H, float eps, uint16_t* out) {
   for_rows(M, [&](int64_t r) { rms_norm_row_bf16(x, w, static_cast<int>(r), H, eps, out); });
@@ -58,11 +92,10 @@ inline void write_cache_rows(const float* src, int M, int64_t width, const int64
   });
 }
 
-// The attention block's input side: h = RMSNorm(x) -> bf16 -> q|k|v = int4 linear -> RoPE on q and k,
+// The attention block's input side: h = RMSNorm(x) -> bf16 -> q|k|v = the qkv linear -> RoPE on q and k,
 // then k and v written to their cache slots. x [M, H] fp32; cos / sin [M, D] (the rows' positions);
 // slots [M] int64; caches [S, nkv, D] (fp32 / bf16 / fp16). Returns q [M, nq*D] fp32.
-inline torch::Tensor attn_in(const torch::Tensor& x, const torch::Tensor& norm_w, double eps,
-                             const torch::Tensor& nibbles, const torch::Tensor& sm, bool use_amx,
+inline torch::Tensor attn_in(const torch::Tensor& x, const torch::Tensor& norm_w, double eps, const Linear& qkv_proj,
                              const torch::Tensor& cos, const torch::Tensor& sin, int64_t nq, int64_t nkv, int64_t D,
                              const torch::Tensor& slots, torch::Tensor k_cache, torch::Tensor v_cache) {
   TORCH_CHECK(slots.scalar_type() == torch::kLong && slots.is_contiguous() && slots.size(0) == x.size(0),
@@ -75,7 +108,7 @@ inline torch::Tensor attn_in(const torch::Tensor& x, const torch::Tensor& norm_w
   auto h = at::empty({M, H}, x.options().dtype(torch::kBFloat16));
   rms_norm_rows_bf16(x.data_ptr<float>(), norm_w.data_ptr<float>(), M, H, static_cast<float>(eps),
                      reinterpret_cast<uint16_t*>(h.data_ptr<at::BFloat16>()));
-  auto qkv = int4_linear(h, nibbles, sm, use_amx);                 // [M, (nq + 2 nkv) D]
+  auto qkv = qkv_proj(h);                                          // [M, (nq + 2 nkv) D]
   const int64_t W = (nq + 2 * nkv) * D;
   TORCH_CHECK(qkv.size(1) == W, "qkv width");
   auto q = at::empty({M, nq * D}, x.options());
@@ -98,10 +131,9 @@ inline torch::Tensor attn_in(const torch::Tensor& x, const torch::Tensor& norm_w
 }
 
 // The rest of the layer: x1 = x + o_proj(attn); h = RMSNorm(x1); x2 = x1 + down(silu(gate) * up).
-inline torch::Tensor attn_out_mlp(const torch::Tensor& x, const torch::Tensor& attn, const torch::Tensor& o_nib,
-                                  const torch::Tensor& o_sm, const torch::Tensor& norm_w, double eps,
-                                  const torch::Tensor& gu_nib, const torch::Tensor& gu_sm,
-                                  const torch::Tensor& down_nib, const torch::Tensor& down_sm, bool use_amx) {
+inline torch::Tensor attn_out_mlp(const torch::Tensor& x, const torch::Tensor& attn, const Linear& o_proj,
+                                  const torch::Tensor& norm_w, double eps, const Linear& gate_up_proj,
+                                  const Linear& down_proj) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous(), "x: contiguous fp32 [M, H]");
   TORCH_CHECK((attn.scalar_type() == torch::kFloat || attn.scalar_type() == torch::kBFloat16) && attn.is_contiguous(),
               "attn: contiguous fp32 or bf16");
@@ -114,7 +146,7 @@ inline torch::Tensor attn_out_mlp(const torch::Tensor& x, const torch::Tensor& a
     const int64_t w = attn.size(1);
     for_rows(M, [&](int64_t r) { to_bf16_n(ap + r * w, o + r * w, w); });
   }
-  auto x1 = int4_linear(a16, o_nib, o_sm, use_amx);                  // o_proj(attn), then + x
+  auto x1 = o_proj(a16);                                             // o_proj(attn), then + x
   float* x1p = x1.data_ptr<float>();
   const float* xp = x.data_ptr<float>();
   for_rows(M, [&](int64_t r) {
@@ -123,13 +155,13 @@ inline torch::Tensor attn_out_mlp(const torch::Tensor& x, const torch::Tensor& a
   auto h = at::empty({M, H}, x.options().dtype(torch::kBFloat16));
   rms_norm_rows_bf16(x1p, norm_w.data_ptr<float>(), M, H, static_cast<float>(eps),
                      reinterpret_cast<uint16_t*>(h.data_ptr<at::BFloat16>()));
-  auto gu = int4_linear(h, gu_nib, gu_sm, use_amx);                  // [M, 2 I]
+  auto gu = gate_up_proj(h);                                         // [M, 2 I]
   const int I = gu.size(1) / 2;
   auto act = at::empty({M, I}, x.options().dtype(torch::kBFloat16));
   uint16_t* ap = reinterpret_cast<uint16_t*>(act.data_ptr<at::BFloat16>());
   const float* gup = gu.data_ptr<float>();
   for_rows(M, [&](int64_t r) { silu_mul_row(gup + r * 2 * I, I, ap + r * I); });
-  auto y = int4_linear(act, down_nib, down_sm, use_amx);
+  auto y = down_proj(act);
   float* yp = y.data_ptr<float>();
   for_rows(M, [&](int64_t r) {
     for (int64_t i = 0; i < H; ++i) yp[r * H + i] = x1p[r * H + i] + yp[r * H + i];
@@ -143,10 +175,9 @@ inline torch::Tensor attn_out_mlp(const torch::Tensor& x, const torch::Tensor& a
 // interpreter and dispatch per layer (over a millisecond per step of a 30-layer model, ~15 % of a
 // plain decode step). The same calls in the same order: the numbers are those of the per-layer path.
 struct FusedStack {
-  std::vector<torch::Tensor> qkv_nib, qkv_sm, o_nib, o_sm, gu_nib, gu_sm, down_nib, down_sm, in_norm, post_norm,
-      k_caches, v_caches;
+  std::vector<Linear> qkv, o, gate_up, down;
+  std::vector<torch::Tensor> in_norm, post_norm, k_caches, v_caches;
   double eps;
-  bool use_amx;
   int64_t nq, nkv, D;
   double scale;
 
@@ -158,13 +189,12 @@ struct FusedStack {
     std::vector<torch::Tensor> out(1);
     const int64_t T = x.size(0);
     size_t c = 0;
-    for (size_t l = 0; l < qkv_nib.size(); ++l) {
+    for (size_t l = 0; l < qkv.size(); ++l) {
       if (c < capture.size() && capture[c] == static_cast<int64_t>(l)) { out.push_back(x); ++c; }
       torch::Tensor q, a;
       {
         RECORD_FUNCTION("draftwise::attn_in", std::vector<c10::IValue>());
-        q = attn_in(x, in_norm[l], eps, qkv_nib[l], qkv_sm[l], use_amx, cos, sin, nq, nkv, D, slots, k_caches[l],
-                    v_caches[l]);
+        q = attn_in(x, in_norm[l], eps, qkv[l], cos, sin, nq, nkv, D, slots, k_caches[l], v_caches[l]);
       }
       {
         RECORD_FUNCTION("draftwise::attend_rows", std::vector<c10::IValue>());
@@ -172,8 +202,7 @@ struct FusedStack {
         attend_rows(q.view({T, nq, D}), k_caches[l], v_caches[l], a, rows, lens, slot_lists, slot_tensors, scale);
       }
       RECORD_FUNCTION("draftwise::attn_out_mlp", std::vector<c10::IValue>());
-      x = attn_out_mlp(x, a.view({T, nq * D}), o_nib[l], o_sm[l], post_norm[l], eps, gu_nib[l], gu_sm[l], down_nib[l],
-                       down_sm[l], use_amx);
+      x = attn_out_mlp(x, a.view({T, nq * D}), o[l], post_norm[l], eps, gate_up[l], down[l]);
     }
     out[0] = x;
     return out;
@@ -202,19 +231,28 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("affine_linear", &affine_linear, "group-affine linear (every GGUF block family), bf16 x, fp32 out");
   m.def("int8_linear", &int8_linear, "weight-stationary int8 (per output channel) linear, bf16 x, fp32 out");
   m.def("attend_rows", &attend_rows, "row-invariant attention: every row alone over its own keys");
-  m.def("attn_in", &attn_in, "RMSNorm -> int4 qkv -> RoPE -> K/V into the cache, per row; returns q");
+  m.def("attn_in", &attn_in, "RMSNorm -> qkv linear -> RoPE -> K/V into the cache, per row; returns q");
   m.def("row_argmax", &row_argmax, "argmax of every logits row (first maximum), rows in parallel");
-  m.def("attn_out_mlp", &attn_out_mlp, "o_proj + residual -> RMSNorm -> int4 gate/up -> SiLU*up -> int4 down + residual");
+  m.def("attn_out_mlp", &attn_out_mlp, "o_proj + residual -> RMSNorm -> gate/up -> SiLU*up -> down + residual");
+  py::class_<Linear>(m, "Linear", py::module_local())
+      .def(py::init([](std::vector<bool> int4, std::vector<torch::Tensor> codes, std::vector<torch::Tensor> scales,
+                       std::vector<torch::Tensor> minimums, std::vector<int64_t> groups, std::vector<int64_t> offsets,
+                       torch::Tensor bias, bool use_amx) {
+        Linear lin;
+        for (size_t i = 0; i < codes.size(); ++i)
+          lin.parts.push_back({int4[i], codes[i], scales[i], minimums[i], groups[i], offsets[i]});
+        lin.bias = bias;
+        lin.use_amx = use_amx;
+        return lin;
+      }))
+      .def("__call__", &Linear::operator(), "y [M, N] fp32 = x [M, K] bf16 . W^T (+ bias)");
   py::class_<FusedStack>(m, "FusedStack", py::module_local())   // one per ISA module in a process
-      .def(py::init([](std::vector<torch::Tensor> qkv_nib, std::vector<torch::Tensor> qkv_sm,
-                       std::vector<torch::Tensor> o_nib, std::vector<torch::Tensor> o_sm,
-                       std::vector<torch::Tensor> gu_nib, std::vector<torch::Tensor> gu_sm,
-                       std::vector<torch::Tensor> down_nib, std::vector<torch::Tensor> down_sm,
-                       std::vector<torch::Tensor> in_norm, std::vector<torch::Tensor> post_norm,
-                       std::vector<torch::Tensor> k_caches, std::vector<torch::Tensor> v_caches, double eps,
-                       bool use_amx, int64_t nq, int64_t nkv, int64_t D, double scale) {
-        return FusedStack{qkv_nib, qkv_sm, o_nib, o_sm, gu_nib, gu_sm, down_nib, down_sm, in_norm, post_norm,
-                          k_caches, v_caches, eps, use_amx, nq, nkv, D, scale};
+      .def(py::init([](std::vector<Linear> qkv, std::vector<Linear> o, std::vector<Linear> gate_up,
+                       std::vector<Linear> down, std::vector<torch::Tensor> in_norm,
+                       std::vector<torch::Tensor> post_norm, std::vector<torch::Tensor> k_caches,
+                       std::vector<torch::Tensor> v_caches, double eps, int64_t nq, int64_t nkv, int64_t D,
+                       double scale) {
+        return FusedStack{qkv, o, gate_up, down, in_norm, post_norm, k_caches, v_caches, eps, nq, nkv, D, scale};
       }))
       .def("run", &FusedStack::run, py::call_guard<py::gil_scoped_release>(),
            "every layer of a row-by-row step: (x after the stack, x before each captured layer)");
