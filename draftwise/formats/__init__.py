@@ -5,7 +5,8 @@ group-affine integer codes,
 
     w[n, k] = scale[n, g] * (code[n, k] - offset) + minimum[n, g]      g = k // group  (16 or 32)
 
-with the codes small integers (4-bit unsigned, or int8; `offset` a per-tensor constant: 8 for Q4_0) and the scale and minimum fp32 numbers that
+with the codes small integers (4- or 5-bit unsigned, or int8; `offset` a per-tensor constant: 8 for
+Q4_0, 16 for Q5_0) and the scale and minimum fp32 numbers that
 are exact products of the block's fp16 super-scale and its integer sub-scales. That form holds each
 family's weights exactly: `dequantize()` of it equals `gguf.quants.dequantize` bit for bit (tests
 check every type), because each product `scale * code` is exact in fp32 and the one rounding left is
@@ -34,12 +35,12 @@ class UnsupportedFormat(ValueError):
 @dataclass
 class GroupAffine:
     """A [N, K] weight as group-affine integer codes (the kernels' common form)."""
-    codes: torch.Tensor            # [N, K]: uint8 0..15 when bits == 4, else int8
+    codes: torch.Tensor            # [N, K]: uint8 0..15 (bits 4) or 0..31 (bits 5), else int8
     scale: torch.Tensor            # [N, K / group] fp32
     minimum: torch.Tensor | None   # [N, K / group] fp32, or None where the family has none (w = scale * code)
     group: int                     # 16 or 32 inputs per scale
-    bits: int                      # 4 (codes fit a nibble) or 8
-    offset: int = 0                # subtracted from every code (Q4_0: 8, Q3_K: 4)
+    bits: int                      # 4 or 5 (unsigned codes: a nibble, plus a high bit) or 8 (int8)
+    offset: int = 0                # subtracted from every code (Q4_0: 8, Q5_0: 16, Q3_K: 4)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -120,7 +121,7 @@ def decode(type_name: str, raw: np.ndarray, shape: tuple[int, int]) -> GroupAffi
         raise ValueError(f"a {type_name} tensor of {K} columns does not split into blocks of {fmt.block_size}")
     blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(N * K // fmt.block_size, fmt.type_size)
     codes, scale, minimum = fmt.decode_blocks(blocks)
-    codes_t = torch.from_numpy(np.ascontiguousarray(codes.reshape(N, K), dtype=np.uint8 if fmt.bits == 4 else np.int8))
+    codes_t = torch.from_numpy(np.ascontiguousarray(codes.reshape(N, K), dtype=np.int8 if fmt.bits == 8 else np.uint8))
     as_t = lambda a: torch.from_numpy(np.ascontiguousarray(a.reshape(N, K // fmt.group), dtype=np.float32))  # noqa: E731
     return GroupAffine(codes_t, as_t(scale), None if minimum is None else as_t(minimum), fmt.group, fmt.bits,
                        fmt.offset)

@@ -5,7 +5,7 @@ products, so every type is group-affine codes exactly (layouts as ggml-quants.c 
     Q2_K  16 x 16: w = d sc q - dmin m       q 2-bit          codes q (nibbles), group 16
     Q3_K  16 x 16: w = d (sc - 32) q         q in [-4, 3]     codes q + 4 (nibbles) less offset 4
     Q4_K   8 x 32: w = d sc q - dmin m       q 4-bit          codes q (nibbles)
-    Q5_K   8 x 32: w = d sc q - dmin m       q 5-bit          codes q (int8)
+    Q5_K   8 x 32: w = d sc q - dmin m       q 5-bit          codes q (5-bit)
     Q6_K  16 x 16: w = d sc (q - 32)         sc int8, q 6-bit codes q - 32 (int8)
 
 Q4_K / Q5_K pack their eight 6-bit scale and minimum pairs in 12 bytes (`scale_min_k4`)."""
@@ -65,7 +65,7 @@ def _q5_k(b):
     ql = (qs.reshape(n, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)) & 0x0F
     h = (qh.reshape(n, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & 1
     q = ql.reshape(n, 8, 32) | (h << 4)
-    return q.reshape(n, QK_K).astype(np.int8), d * sc, -(dmin * mn)
+    return q.reshape(n, QK_K), d * sc, -(dmin * mn)
 
 
 def _q6_k(b):
@@ -81,5 +81,5 @@ def _q6_k(b):
 Q2_K = register(BlockFormat("Q2_K", QK_K, 84, 16, 4, 0, _q2_k))
 Q3_K = register(BlockFormat("Q3_K", QK_K, 110, 16, 4, 4, _q3_k))
 Q4_K = register(BlockFormat("Q4_K", QK_K, 144, 32, 4, 0, _q4_k))
-Q5_K = register(BlockFormat("Q5_K", QK_K, 176, 32, 8, 0, _q5_k))
+Q5_K = register(BlockFormat("Q5_K", QK_K, 176, 32, 5, 0, _q5_k))
 Q6_K = register(BlockFormat("Q6_K", QK_K, 210, 16, 8, 0, _q6_k))

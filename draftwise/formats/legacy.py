@@ -3,8 +3,8 @@ fp16 minimum m).
 
     Q4_0  w = d * (q - 8)        q 4-bit     -> codes q (nibbles) less offset 8, scale d
     Q4_1  w = d * q + m          q 4-bit     -> codes q (nibbles), scale d, minimum m
-    Q5_0  w = d * (q - 16)       q 5-bit     -> codes q - 16 (int8), scale d
-    Q5_1  w = d * q + m          q 5-bit     -> codes q (int8), scale d, minimum m
+    Q5_0  w = d * (q - 16)       q 5-bit     -> codes q (5-bit) less offset 16, scale d
+    Q5_1  w = d * q + m          q 5-bit     -> codes q (5-bit), scale d, minimum m
     Q8_0  w = d * q              q int8      -> codes q, scale d
 
 A 5-bit code is a nibble from `qs` plus one bit from the 32-bit `qh` (bit j for weight j)."""
@@ -29,11 +29,11 @@ def _q4_1(b):
 
 
 def _q5_0(b):
-    return _q5(b[:, 2:6], b[:, 6:22]).astype(np.int8) - np.int8(16), f16(b[:, 0:2])[:, None], None
+    return _q5(b[:, 2:6], b[:, 6:22]), f16(b[:, 0:2])[:, None], None
 
 
 def _q5_1(b):
-    return _q5(b[:, 4:8], b[:, 8:24]).astype(np.int8), f16(b[:, 0:2])[:, None], f16(b[:, 2:4])[:, None]
+    return _q5(b[:, 4:8], b[:, 8:24]), f16(b[:, 0:2])[:, None], f16(b[:, 2:4])[:, None]
 
 
 def _q8_0(b):
@@ -42,6 +42,6 @@ def _q8_0(b):
 
 Q4_0 = register(BlockFormat("Q4_0", 32, 18, 32, 4, 8, _q4_0))
 Q4_1 = register(BlockFormat("Q4_1", 32, 20, 32, 4, 0, _q4_1))
-Q5_0 = register(BlockFormat("Q5_0", 32, 22, 32, 8, 0, _q5_0))
-Q5_1 = register(BlockFormat("Q5_1", 32, 24, 32, 8, 0, _q5_1))
+Q5_0 = register(BlockFormat("Q5_0", 32, 22, 32, 5, 16, _q5_0))
+Q5_1 = register(BlockFormat("Q5_1", 32, 24, 32, 5, 0, _q5_1))
 Q8_0 = register(BlockFormat("Q8_0", 32, 34, 32, 8, 0, _q8_0))

@@ -277,31 +277,47 @@ def _(x, q8, scale, use_amx):
 
 def pack_affine(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor | None, group: int, bits: int):
     """A GroupAffine weight (draftwise/formats) -> the affine kernel's layout: (codes: 4-bit uint8
-    [N/16, K/2, 16] or int8 [N/16, K, 16]; scale fp32 [N/16, K/group, 16]; minimum the same, or an
-    empty tensor)."""
+    [N/16, K/2, 16], 5-bit uint8 [N/16, K/2, 20] (the nibbles, then a word of high bits per pair)
+    or int8 [N/16, K, 16]; scale [N/16, K/group, 16]; minimum the same, or an empty tensor). Scales and minimums are kept in fp16 where every one is exact in it (the legacy and IQ4
+    families store fp16 numbers: half the scale bytes), else in fp32 (K-quants' products)."""
     N, K = codes.shape
-    if bits == 4:
+    if bits in (4, 5):
         c = codes.to(torch.uint8).reshape(N // 16, 16, K // 2, 2)
-        packed = (c[..., 0] | (c[..., 1] << 4)).transpose(1, 2).contiguous()
+        packed = ((c[..., 0] & 15) | ((c[..., 1] & 15) << 4)).transpose(1, 2).contiguous()      # [N/16, K/2, 16]
+        if bits == 5:
+            # per pair: 4 more bytes, bit j = column j's high bit for input 2p, bit 16 + j for 2p + 1
+            hi = (c >> 4).to(torch.int64).transpose(1, 2)                                        # [N/16, K/2, 16, 2]
+            word = (hi[..., 0] << torch.arange(16)).sum(-1) | (hi[..., 1] << torch.arange(16, 32)).sum(-1)
+            high = word.to(torch.int32).view(torch.uint8).reshape(N // 16, K // 2, 4)  # little-endian uint32
+            packed = torch.cat([packed, high], -1).contiguous()                                   # [N/16, K/2, 20]
     else:
         packed = codes.to(torch.int8).reshape(N // 16, 16, K).transpose(1, 2).contiguous()
 
+    exact16 = all(t is None or bool(torch.equal(t.half().float(), t.float())) for t in (scale, minimum))
+    dtype = torch.float16 if exact16 else torch.float32
+
     def per_block(t):
-        return t.float().reshape(N // 16, 16, K // group).transpose(1, 2).contiguous()
-    return packed, per_block(scale), torch.empty(0) if minimum is None else per_block(minimum)
+        return t.to(dtype).reshape(N // 16, 16, K // group).transpose(1, 2).contiguous()
+    return packed, per_block(scale), torch.empty(0, dtype=dtype) if minimum is None else per_block(minimum)
 
 
 def unpack_affine(packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, group: int, offset: int):
     """The fp32 [N, K] weight of the affine kernel's layout: scale * (code - offset) (+ minimum)."""
     B = packed.shape[0]
     if packed.dtype == torch.uint8:
-        codes = torch.stack([packed & 15, packed >> 4], -1).permute(0, 2, 1, 3).reshape(B * 16, -1)
+        nib = packed[..., :16]
+        pairs = torch.stack([nib & 15, nib >> 4], -1)                                             # [B, K/2, 16, 2]
+        if packed.shape[-1] == 20:
+            word = packed[..., 16:].contiguous().view(torch.int32).to(torch.int64)                 # [B, K/2, 1]
+            bits = (word >> torch.arange(32)) & 1                                                 # [B, K/2, 32]
+            pairs = pairs | (bits.reshape(B, -1, 2, 16).transpose(2, 3) << 4).to(torch.uint8)
+        codes = pairs.permute(0, 2, 1, 3).reshape(B * 16, -1)
     else:
         codes = packed.transpose(1, 2).reshape(B * 16, -1)
     K = codes.shape[1]
-    w = (codes.float() - offset).reshape(B * 16, K // group, group) * scale.transpose(1, 2).reshape(B * 16, -1, 1)
+    w = (codes.float() - offset).reshape(B * 16, K // group, group) * scale.float().transpose(1, 2).reshape(B * 16, -1, 1)
     if minimum.numel():
-        w = w + minimum.transpose(1, 2).reshape(B * 16, -1, 1)
+        w = w + minimum.float().transpose(1, 2).reshape(B * 16, -1, 1)
     return w.reshape(B * 16, K)
 
 

@@ -9,6 +9,8 @@
 //
 // Layouts (made by draftwise/kernels/__init__.py:pack_affine):
 //   codes:   4-bit: uint8 [N/16, K/2, 16], byte j of pair p = code[n0+j][2p] | code[n0+j][2p+1] << 4
+//            5-bit: uint8 [N/16, K/2, 20], the 4-bit layout's 16 bytes of each pair, then a
+//                   little-endian word of the codes' high bits (bit j: code[n0+j][2p], 16 + j: 2p+1)
 //            8-bit: int8  [N/16, K, 16],   16 columns' codes per input k
 //   scale:   fp32 [N/16, K/group, 16];  minimum: the same, or empty (no minimum)
 //
@@ -61,6 +63,8 @@ DW_AVX2 inline void group_sums(const float* x, int K, int group, float* out) {
 
 // Where a column block's per-group scales and minimums come from (8 lanes: columns h*8 .. h*8+7):
 // F32Scales: scale [blocks][G][16] fp32, minimum the same or none (the affine layout);
+// F16Scales: the same in fp16, where every value is exact in it (Q5_0, Q5_1, Q8_0, IQ4_NL: the
+// blocks' own fp16 numbers, at half the bytes);
 // F16PairScales: sm fp16 [blocks][G][2][16], the group's 16 scales then its 16 minimums (the int4
 // layout of GGUF Q4_1 blocks: both exact in fp16).
 struct F32Scales {
@@ -71,6 +75,19 @@ struct F32Scales {
   bool has_min() const { return m != nullptr; }
   DW_AVX2 __m256 scale(int g, int h) const { return _mm256_loadu_ps(s + g * NB + h * 8); }
   DW_AVX2 __m256 min(int g, int h) const { return _mm256_loadu_ps(m + g * NB + h * 8); }
+};
+
+struct F16Scales {                  // as F32Scales, in fp16 (where every scale and minimum is exact in it)
+  const uint16_t* s;
+  const uint16_t* m;
+  int G;
+  F16Scales at(int64_t b) const { return {s + b * G * NB, m ? m + b * G * NB : nullptr, G}; }
+  bool has_min() const { return m != nullptr; }
+  DW_AVX2 __m256 scale(int g, int h) const { return half8(s + g * NB + h * 8); }
+  DW_AVX2 __m256 min(int g, int h) const { return half8(m + g * NB + h * 8); }
+  DW_AVX2 static __m256 half8(const uint16_t* p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
 };
 
 struct F16PairScales {
@@ -97,6 +114,33 @@ struct Nibbles {
     w[1] = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(hi, m), off));
     w[2] = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(lo, 4), off));
     w[3] = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(hi, 4), off));
+  }
+};
+
+// 5-bit codes: a pair's 16 nibble bytes as Nibbles, then a 32-bit word of high bits (bit j: column j,
+// input 2p; bit 16 + j: column j, input 2p + 1)
+struct Nibbles5 {
+  using T = uint8_t;
+  static constexpr int64_t bytes_per_pair = NB + 4;
+  DW_AVX2 static inline void unpack(const uint8_t* pk, __m256i off, __m256 w[4]) {
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(pk));
+    const __m256i lo = _mm256_cvtepu8_epi32(b), hi = _mm256_cvtepu8_epi32(_mm_unpackhi_epi64(b, b));
+    const __m256i m = _mm256_set1_epi32(15);
+    uint32_t word;
+    std::memcpy(&word, pk + NB, 4);
+    const __m256i hw = _mm256_set1_epi32(static_cast<int>(word));
+    // lane j of h[i]: 16 where bit 8 i + j of the word is set (columns 0-7 / 8-15 of input 2p, then
+    // of 2p + 1): the word shifted left so that bit to the sign, then an arithmetic shift and a mask
+    const __m256i sixteen = _mm256_set1_epi32(16);
+    __m256i h[4];
+    for (int i = 0; i < 4; ++i)
+      h[i] = _mm256_and_si256(_mm256_srai_epi32(_mm256_sllv_epi32(hw, _mm256_setr_epi32(
+                 31 - 8 * i, 30 - 8 * i, 29 - 8 * i, 28 - 8 * i, 27 - 8 * i, 26 - 8 * i, 25 - 8 * i, 24 - 8 * i)), 31),
+                              sixteen);
+    w[0] = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_or_si256(_mm256_and_si256(lo, m), h[0]), off));
+    w[1] = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_or_si256(_mm256_and_si256(hi, m), h[1]), off));
+    w[2] = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_or_si256(_mm256_srli_epi32(lo, 4), h[2]), off));
+    w[3] = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_or_si256(_mm256_srli_epi32(hi, 4), h[3]), off));
   }
 };
 
@@ -225,6 +269,10 @@ torch::Tensor linear(const torch::Tensor& x, int group, const typename C::T* cod
 
 }  // namespace affine
 
+inline const uint16_t* half_ptr(const torch::Tensor& t) {
+  return reinterpret_cast<const uint16_t*>(t.data_ptr<at::Half>());
+}
+
 // the arguments' checks, shared by every ISA's affine_linear
 inline void check_affine(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scale,
                          const torch::Tensor& minimum, int64_t group) {
@@ -232,12 +280,13 @@ inline void check_affine(const torch::Tensor& x, const torch::Tensor& codes, con
   TORCH_CHECK(group == 16 || group == 32, "group: 16 or 32");
   const bool nib = codes.scalar_type() == torch::kByte;
   TORCH_CHECK(nib || codes.scalar_type() == torch::kChar, "codes: uint8 nibbles or int8");
-  TORCH_CHECK(codes.dim() == 3 && codes.size(2) == NB && codes.is_contiguous(), "codes: contiguous [N/16, ., 16]");
+  TORCH_CHECK(codes.dim() == 3 && (codes.size(2) == NB || (nib && codes.size(2) == NB + 4)) && codes.is_contiguous(),
+              "codes: contiguous [N/16, ., 16] (5-bit: [N/16, K/2, 20])");
   const int64_t K = x.size(1), N = codes.size(0) * NB;
   TORCH_CHECK(K % group == 0 && codes.size(1) == (nib ? K / 2 : K), "codes: K mismatch");
-  TORCH_CHECK(scale.scalar_type() == torch::kFloat && scale.is_contiguous() && scale.numel() == N * (K / group),
-              "scale: contiguous fp32 [N/16, K/group, 16]");
-  TORCH_CHECK(minimum.numel() == 0 || (minimum.scalar_type() == torch::kFloat && minimum.is_contiguous() &&
+  TORCH_CHECK((scale.scalar_type() == torch::kFloat || scale.scalar_type() == torch::kHalf) && scale.is_contiguous() &&
+              scale.numel() == N * (K / group), "scale: contiguous fp32 or fp16 [N/16, K/group, 16]");
+  TORCH_CHECK(minimum.numel() == 0 || (minimum.scalar_type() == scale.scalar_type() && minimum.is_contiguous() &&
                                        minimum.numel() == scale.numel()), "minimum: like scale, or empty");
 }
 
@@ -246,12 +295,18 @@ inline torch::Tensor affine_linear_avx2(const torch::Tensor& x, const torch::Ten
                                         const torch::Tensor& scale, const torch::Tensor& minimum, int64_t group,
                                         int64_t offset) {
   check_affine(x, codes, scale, minimum, group);
-  const affine::F32Scales sc{scale.data_ptr<float>(), minimum.numel() ? minimum.data_ptr<float>() : nullptr,
-                             static_cast<int>(x.size(1) / group)};
-  const int gs = static_cast<int>(group), off = static_cast<int>(offset);
-  if (codes.scalar_type() == torch::kByte)
-    return affine::linear<affine::Nibbles>(x, gs, codes.data_ptr<uint8_t>(), off, sc, codes.size(0));
-  return affine::linear<affine::Int8Codes>(x, gs, codes.data_ptr<int8_t>(), off, sc, codes.size(0));
+  const int gs = static_cast<int>(group), off = static_cast<int>(offset), G = static_cast<int>(x.size(1) / group);
+  const bool has_min = minimum.numel() > 0;
+  auto run = [&](const auto& sc) {
+    if (codes.scalar_type() == torch::kByte && codes.size(2) == NB + 4)
+      return affine::linear<affine::Nibbles5>(x, gs, codes.data_ptr<uint8_t>(), off, sc, codes.size(0));
+    if (codes.scalar_type() == torch::kByte)
+      return affine::linear<affine::Nibbles>(x, gs, codes.data_ptr<uint8_t>(), off, sc, codes.size(0));
+    return affine::linear<affine::Int8Codes>(x, gs, codes.data_ptr<int8_t>(), off, sc, codes.size(0));
+  };
+  if (scale.scalar_type() == torch::kHalf)
+    return run(affine::F16Scales{half_ptr(scale), has_min ? half_ptr(minimum) : nullptr, G});
+  return run(affine::F32Scales{scale.data_ptr<float>(), has_min ? minimum.data_ptr<float>() : nullptr, G});
 }
 
 }  // namespace draftwise

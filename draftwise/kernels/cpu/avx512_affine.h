@@ -19,6 +19,7 @@
 
 namespace draftwise {
 
+using affine::F16Scales;
 using affine::F32Scales;
 
 namespace affine512 {
@@ -27,6 +28,11 @@ namespace affine512 {
 // group = K it holds one scale per output channel: the int8 linear)
 AVX512BF16 inline __m512 scale16(const F32Scales& sc, int g) { return _mm512_loadu_ps(sc.s + g * NB); }
 AVX512BF16 inline __m512 min16(const F32Scales& sc, int g) { return _mm512_loadu_ps(sc.m + g * NB); }
+AVX512BF16 inline __m512 half16(const uint16_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+AVX512BF16 inline __m512 scale16(const F16Scales& sc, int g) { return half16(sc.s + g * NB); }
+AVX512BF16 inline __m512 min16(const F16Scales& sc, int g) { return half16(sc.m + g * NB); }
 
 // 16 columns' codes for inputs 2p (even) and 2p + 1 (odd) as int32 lanes -> one 64-byte pair row:
 // dword j = bf16(even[j] - off) | bf16(odd[j] - off) << 16 (exact: small integers)
@@ -43,6 +49,22 @@ AVX512BF16 void unpack_nibbles(const uint8_t* pk, int K, int offset, uint16_t* Q
     _mm_prefetch(reinterpret_cast<const char*>(pk + p * NB + PREFETCH_BYTES), _MM_HINT_T0);
     const __m512i d = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(pk + p * NB)));
     store_pair(_mm512_and_si512(d, m), _mm512_srli_epi32(d, 4), off, Q + p * 32);
+  }
+}
+
+// 5-bit codes (affine.h's layout): the nibbles as unpack_nibbles; the pair's word of high bits is
+// two lane masks (16 columns of input 2p, then of 2p + 1): 16 added where a mask bit is set
+AVX512BF16 void unpack_nibbles5(const uint8_t* pk, int K, int offset, uint16_t* Q) {
+  const __m512i off = _mm512_set1_epi32(offset), m = _mm512_set1_epi32(15), sixteen = _mm512_set1_epi32(16);
+  for (int p = 0; p < K / 2; ++p) {
+    const uint8_t* q = pk + p * (NB + 4);
+    _mm_prefetch(reinterpret_cast<const char*>(q + PREFETCH_BYTES), _MM_HINT_T0);
+    const __m512i d = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
+    uint32_t word;
+    std::memcpy(&word, q + NB, 4);
+    const __m512i even = _mm512_and_si512(d, m), odd = _mm512_srli_epi32(d, 4);
+    store_pair(_mm512_mask_or_epi32(even, static_cast<__mmask16>(word), even, sixteen),
+               _mm512_mask_or_epi32(odd, static_cast<__mmask16>(word >> 16), odd, sixteen), off, Q + p * 32);
   }
 }
 
@@ -131,22 +153,31 @@ inline torch::Tensor affine_linear(const torch::Tensor& x, const torch::Tensor& 
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
   std::vector<float> xs(static_cast<size_t>(M) * G);
   for_rows(M, [&](int64_t r) { affine512::group_sums(xp + r * K, K, gs, xs.data() + r * G); });
-  const F32Scales scales{scale.data_ptr<float>(), minimum.numel() ? minimum.data_ptr<float>() : nullptr, G};
   float* yp = y.data_ptr<float>();
-  const int64_t block_codes = nib ? static_cast<int64_t>(K / 2) * NB : static_cast<int64_t>(K) * NB;
-  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
-    Aligned<uint16_t> tile(static_cast<size_t>(K) * NB);
-    for (int64_t b = b0; b < b1; ++b) {
-      if (nib)
-        affine512::unpack_nibbles(codes.data_ptr<uint8_t>() + b * block_codes, K, static_cast<int>(offset), tile.p);
-      else
-        affine512::unpack_int8(codes.data_ptr<int8_t>() + b * block_codes, K, static_cast<int>(offset), tile.p);
-      const F32Scales sc = scales.at(b);
-      for (int m0 = 0; m0 < M; m0 += 16)
-        affine512::rows_any(std::min(16, M - m0), xp + static_cast<int64_t>(m0) * K, xs.data() + m0 * G, K, gs,
-                            tile.p, sc, yp + static_cast<int64_t>(m0) * N + b * NB, static_cast<int>(N));
-    }
-  });
+  const bool five = nib && codes.size(2) == NB + 4;
+  const int64_t block_codes = static_cast<int64_t>(nib ? K / 2 : K) * codes.size(2);
+  const bool has_min = minimum.numel() > 0;
+  auto run = [&](const auto& scales) {
+    at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+      Aligned<uint16_t> tile(static_cast<size_t>(K) * NB);
+      for (int64_t b = b0; b < b1; ++b) {
+        if (five)
+          affine512::unpack_nibbles5(codes.data_ptr<uint8_t>() + b * block_codes, K, static_cast<int>(offset), tile.p);
+        else if (nib)
+          affine512::unpack_nibbles(codes.data_ptr<uint8_t>() + b * block_codes, K, static_cast<int>(offset), tile.p);
+        else
+          affine512::unpack_int8(codes.data_ptr<int8_t>() + b * block_codes, K, static_cast<int>(offset), tile.p);
+        const auto sc = scales.at(b);
+        for (int m0 = 0; m0 < M; m0 += 16)
+          affine512::rows_any(std::min(16, M - m0), xp + static_cast<int64_t>(m0) * K, xs.data() + m0 * G, K, gs,
+                              tile.p, sc, yp + static_cast<int64_t>(m0) * N + b * NB, static_cast<int>(N));
+      }
+    });
+  };
+  if (scale.scalar_type() == torch::kHalf)
+    run(F16Scales{half_ptr(scale), has_min ? half_ptr(minimum) : nullptr, G});
+  else
+    run(F32Scales{scale.data_ptr<float>(), has_min ? minimum.data_ptr<float>() : nullptr, G});
   return y;
 }
 
