@@ -78,6 +78,7 @@ class BlockFormat:
 
 
 FORMATS: dict[str, BlockFormat] = {}
+DECODE_SLICE = 1 << 15             # blocks decoded at a time
 
 
 def register(fmt: BlockFormat) -> BlockFormat:
@@ -119,12 +120,24 @@ def decode(type_name: str, raw: np.ndarray, shape: tuple[int, int]) -> GroupAffi
     N, K = shape
     if K % fmt.block_size:
         raise ValueError(f"a {type_name} tensor of {K} columns does not split into blocks of {fmt.block_size}")
-    blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(N * K // fmt.block_size, fmt.type_size)
-    codes, scale, minimum = fmt.decode_blocks(blocks)
-    codes_t = torch.from_numpy(np.ascontiguousarray(codes.reshape(N, K), dtype=np.int8 if fmt.bits == 8 else np.uint8))
-    as_t = lambda a: torch.from_numpy(np.ascontiguousarray(a.reshape(N, K // fmt.group), dtype=np.float32))  # noqa: E731
-    return GroupAffine(codes_t, as_t(scale), None if minimum is None else as_t(minimum), fmt.group, fmt.bits,
-                       fmt.offset)
+    n = N * K // fmt.block_size
+    blocks = np.asarray(raw, dtype=np.uint8).reshape(n, fmt.type_size)
+    codes = np.empty((n, fmt.block_size), dtype=np.int8 if fmt.bits == 8 else np.uint8)
+    scale = np.empty((n, fmt.block_size // fmt.group), dtype=np.float32)
+    minimum = None
+    # in slices of blocks, so the decoders' temporaries stay small beside a large tensor (an
+    # embedding of 150k rows); the file's pages are read once, in order
+    for b0 in range(0, n, DECODE_SLICE):
+        c, s, m = fmt.decode_blocks(np.ascontiguousarray(blocks[b0:b0 + DECODE_SLICE]))
+        codes[b0:b0 + DECODE_SLICE] = c
+        scale[b0:b0 + DECODE_SLICE] = s
+        if m is not None:
+            if minimum is None:
+                minimum = np.empty_like(scale)
+            minimum[b0:b0 + DECODE_SLICE] = m
+    as_t = lambda a: torch.from_numpy(a.reshape(N, K // fmt.group))  # noqa: E731
+    return GroupAffine(torch.from_numpy(codes.reshape(N, K)), as_t(scale), None if minimum is None else as_t(minimum),
+                       fmt.group, fmt.bits, fmt.offset)
 
 
 # the families register themselves

@@ -43,6 +43,24 @@ def _permute_rows(ga: GroupAffine, n_head: int) -> GroupAffine:
                        None if ga.minimum is None else ga.minimum[perm].contiguous(), ga.group, ga.bits, ga.offset)
 
 
+def release_metadata(reader) -> None:
+    """Drop the parsed metadata of a reader whose configuration has been read: `gguf` parses every
+    value into small numpy arrays, ~0.5 GB for a 150k-token vocabulary and its merges, which a model
+    built from the tensors does not need (the tokenizer is read once into the cache). The freed
+    heap is handed back to the system so the weights decoded next do not stack on it."""
+    import ctypes
+    import gc
+    big = bool(reader.tensors) and min(int(t.data_offset) for t in reader.tensors) > (4 << 20)
+    reader.fields.clear()
+    if not big:                              # a small header: nothing worth a collection
+        return
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):        # not glibc: the memory is reused, not returned
+        pass
+
+
 class GGUFBlocks:
     """A GGUF file's tensors by draftwise module name, decoded on demand from the memory-mapped
     file (one module's weights in memory at a time while a model is built):
@@ -58,6 +76,7 @@ class GGUFBlocks:
         self.reader = open_gguf(path)
         self.cfg = gguf_config(self.reader)
         self.by_name = {t.name: t for t in self.reader.tensors}
+        release_metadata(self.reader)
         self.modules: dict[str, list[str]] = {}           # module -> its GGUF tensors, in row order
         for name in self.by_name:
             if name == "token_embd.weight":

@@ -12,7 +12,6 @@ import time
 import pytest
 
 from draftwise.formats import UnsupportedFormat  # noqa: F401 - a ValueError too
-from draftwise.models.gguf_convert import gguf_config
 from draftwise.models.gguf_file import GGUFError, open_gguf
 from draftwise.models.gguf_weights import GGUFBlocks
 from tests.models.gguf_builder import write_tiny_llama_gguf
@@ -29,8 +28,7 @@ def tiny(tmp_path_factory):
 
 def read_everything(path: str) -> None:
     """What loading a model reads of a file: the index, the configuration, every module's blocks."""
-    blocks = GGUFBlocks(path)
-    gguf_config(blocks.reader)
+    blocks = GGUFBlocks(path)                       # reads the configuration too (blocks.cfg)
     for name in blocks.modules:
         blocks.get(name)
     for t in blocks.reader.tensors:
