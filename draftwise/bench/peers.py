@@ -71,8 +71,8 @@ class LlamaCppPeer:
         if importlib.util.find_spec("llama_cpp") is None:
             raise ImportError("llama-cpp-python is not installed")
         from llama_cpp import Llama
-        from draftwise.models.loader import PACKAGED_GGUF, find_packaged_gguf
-        path = find_packaged_gguf(model) if model in PACKAGED_GGUF else model
+        from draftwise.models.loader import gguf_path_for
+        path = gguf_path_for(model) or model
         if not path.endswith(".gguf"):
             raise ValueError("llama.cpp peer needs a GGUF model")
         kw = {}

@@ -91,7 +91,7 @@ def main(argv=None) -> dict:
     if a.threads:
         torch.set_num_threads(a.threads)
     from draftwise.bench.step_cost import machine_line
-    from draftwise.models.loader import PACKAGED_GGUF, find_packaged_gguf, load_tokenizer, resolve_model_dir
+    from draftwise.models.loader import gguf_path_for, load_tokenizer, resolve_model_dir
     ids = long_prompt(load_tokenizer(resolve_model_dir(a.model)), a.tokens)
     times = {"draftwise": draftwise_ttft(a.model, ids, a.repeats)}
     for peer in filter(None, a.peers.split(",")):
@@ -100,7 +100,7 @@ def main(argv=None) -> dict:
                 raise SystemExit("--peers openvino needs --openvino-model DIR")
             times[peer] = openvino_ttft(a.openvino_model, ids, a.repeats)
         elif peer == "llamacpp":
-            times[peer] = llamacpp_ttft(find_packaged_gguf(a.model) if a.model in PACKAGED_GGUF else a.model, ids,
+            times[peer] = llamacpp_ttft(gguf_path_for(a.model) or a.model, ids,
                                         a.repeats)
         else:
             raise SystemExit(f"unknown peer {peer!r} (openvino, llamacpp)")

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import time
 
@@ -166,6 +167,12 @@ def make_parser() -> argparse.ArgumentParser:
     add_bench_args(b)
     b.set_defaults(func=cmd_bench)
 
+    k = sub.add_parser("cache", help="list or clear what draftwise keeps in its cache folder")
+    k.add_argument("action", choices=["list", "clear"], nargs="?", default="list")
+    k.add_argument("--what", action="append", default=None,
+                   help="clear only these entries (e.g. packaged, models, step_costs); default: all")
+    k.set_defaults(func=cmd_cache)
+
     t = sub.add_parser("train", help="generate drafter training data, train drafters")
     tsub = t.add_subparsers(dest="trainer", required=True)
     import importlib
@@ -178,6 +185,33 @@ def make_parser() -> argparse.ArgumentParser:
             tp.add_argument("--resume", action="store_true", help="continue the run in --out")
         tp.set_defaults(func=cmd_train)
     return p
+
+
+def cmd_cache(args) -> int:
+    """`draftwise cache`: each entry of the cache folder with its size; `clear` removes them (all,
+    or those named by --what). Compiled kernels live in torch's extension folder, not here."""
+    import shutil
+    from draftwise.config import cache_dir
+    root = cache_dir()
+
+    def size(path):
+        if os.path.isfile(path):
+            return os.path.getsize(path)
+        return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
+    entries = sorted(os.listdir(root))
+    if args.action == "list":
+        print(root)
+        for e in entries:
+            print(f"  {size(os.path.join(root, e)) / 1e6:10.1f} MB  {e}")
+        return 0
+    unknown = sorted(set(args.what or []) - set(entries))
+    if unknown:
+        raise ValueError(f"the cache holds no {', '.join(unknown)} (it holds: {', '.join(entries) or 'nothing'})")
+    for e in args.what or entries:
+        path = os.path.join(root, e)
+        shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+        print(f"removed {path}")
+    return 0
 
 
 def main(argv=None) -> int:

