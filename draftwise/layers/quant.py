@@ -271,21 +271,50 @@ class GroupAffineLinear(_QuantizedLinear):
 
 class GroupAffineEmbedding(nn.Module):
     """A token embedding kept in the GGUF's own blocks (any family): a lookup dequantizes only the
-    rows it reads, exactly as the dense table converted from the same blocks would hold them."""
+    rows it reads, exactly as the dense table converted from the same blocks would hold them. 4- and
+    5-bit codes are stored two to a byte (5-bit: plus a plane of high bits, eight to a byte), so a
+    150k-token table costs about what its file does."""
 
     def __init__(self, weight, dtype: torch.dtype = torch.float32):
         super().__init__()
         self.num_embeddings, self.embedding_dim = weight.codes.shape
-        self.dtype, self.group, self.offset = dtype, weight.group, weight.offset
-        self.register_buffer("codes", weight.codes.contiguous())
-        self.register_buffer("scale", weight.scale.contiguous())
-        self.register_buffer("minimum", None if weight.minimum is None else weight.minimum.contiguous())
+        self.dtype, self.group, self.offset, self.bits = dtype, weight.group, weight.offset, weight.bits
+        c = weight.codes
+        if self.bits in (4, 5):
+            V, H = c.shape
+            packed = torch.empty(V, H // 2, dtype=torch.uint8)
+            high = torch.empty(V, H // 8, dtype=torch.uint8) if self.bits == 5 else None
+            for r in range(0, V, 8192):            # in slices of rows: small temporaries beside a large table
+                rows = c[r:r + 8192]
+                packed[r:r + 8192] = (rows[:, 0::2] & 15) | ((rows[:, 1::2] & 15) << 4)
+                if high is not None:
+                    h = (rows >> 4).reshape(rows.shape[0], -1, 8).to(torch.int32) << torch.arange(8, dtype=torch.int32)
+                    high[r:r + 8192] = h.sum(-1).to(torch.uint8)
+            self.register_buffer("codes", packed)
+            self.register_buffer("high", high)
+        else:
+            self.register_buffer("codes", c.contiguous())
+            self.register_buffer("high", None)
+        exact16 = all(t is None or bool(torch.equal(t.half().float(), t)) for t in (weight.scale, weight.minimum))
+        sdt = torch.float16 if exact16 else torch.float32
+        self.register_buffer("scale", weight.scale.to(sdt).contiguous())
+        self.register_buffer("minimum", None if weight.minimum is None else weight.minimum.to(sdt).contiguous())
+
+    def _codes(self, ids: torch.Tensor) -> torch.Tensor:
+        c = self.codes[ids]
+        if self.bits == 8:
+            return c.float()
+        full = torch.stack([c & 15, c >> 4], -1).flatten(-2)
+        if self.high is not None:
+            bits = (self.high[ids].unsqueeze(-1) >> torch.arange(8, dtype=torch.uint8)) & 1
+            full = full | (bits.flatten(-2) << 4)
+        return full.float()
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        c = (self.codes[ids].float() - self.offset).unflatten(-1, (-1, self.group))
-        w = c * self.scale[ids].unsqueeze(-1)
+        c = (self._codes(ids) - self.offset).unflatten(-1, (-1, self.group))
+        w = c * self.scale[ids].float().unsqueeze(-1)
         if self.minimum is not None:
-            w = w + self.minimum[ids].unsqueeze(-1)
+            w = w + self.minimum[ids].float().unsqueeze(-1)
         return w.flatten(-2).to(self.dtype)
 
     def dequantize(self) -> torch.Tensor:

@@ -104,10 +104,26 @@ class GGUFBlocks:
         t = self.by_name[gguf_name]
         cols, rows = (int(x) for x in t.shape)
         ga = decode(t.tensor_type.name, np.asarray(t.data), (rows, cols))
+        self._drop_pages(t)
         if self.cfg["model_type"] == "llama" and (".attn_q." in gguf_name or ".attn_k." in gguf_name):
             heads = self.cfg["num_attention_heads"] if ".attn_q." in gguf_name else self.cfg["num_key_value_heads"]
             ga = _permute_rows(ga, heads)
         return ga
+
+    def _drop_pages(self, t) -> None:
+        """Hand a decoded tensor's file pages back to the page cache (they stay cached, no longer
+        counted in this process's memory): a model's blocks are read once, and keeping every page
+        mapped would add the whole file to the peak beside the decoded weights."""
+        import mmap
+        mm = getattr(self.reader.data, "_mmap", None)
+        if mm is None or not hasattr(mm, "madvise"):
+            return
+        start = int(t.data_offset) // mmap.PAGESIZE * mmap.PAGESIZE
+        end = int(t.data_offset) + int(t.n_bytes)
+        try:
+            mm.madvise(mmap.MADV_DONTNEED, start, end - start)
+        except (OSError, ValueError):
+            pass
 
     def __contains__(self, name: str) -> bool:
         return self.get_names(name) is not None

@@ -144,9 +144,11 @@ def load_gguf_target(path: str, dtype: torch.dtype, device: str, max_position: i
                          f"[{cfg.vocab_size}, {cfg.hidden_size}]")
     m.embed_tokens = GroupAffineEmbedding(emb[0], dtype=dtype) if emb else \
         nn.Embedding.from_pretrained(blocks.dense("token_embd.weight"), freeze=True)
-    for name, sub in list(m.named_modules()):
-        if not isinstance(sub, nn.Linear):
-            continue
+    # the LM head first: its decode and packing make the largest temporaries (a 150k x H table),
+    # best made before the layers' weights are resident
+    linears = sorted(((n, sub) for n, sub in m.named_modules() if isinstance(sub, nn.Linear)),
+                     key=lambda item: item[0] != "lm_head")
+    for name, sub in linears:
         parts, bias = blocks.get(name), blocks.bias(name)
         if parts is not None:
             rows, cols = sum(p.codes.shape[0] for p in parts), parts[0].codes.shape[1]

