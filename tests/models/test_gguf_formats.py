@@ -114,3 +114,19 @@ def _transformers_from_gguf(path: str):
     if config.tie_word_embeddings:
         model.tie_weights()
     return model.eval()
+
+
+@pytest.mark.parametrize("method", ["ngram", "suffix"])
+def test_speculation_equals_plain_decoding_under_load(tmp_path, method):
+    """Greedy speculation on exact non-Q4 blocks at max_num_seqs 16: every request's tokens equal
+    plain decoding's (the verification rows run the same kernels as decode rows)."""
+    path = write_tiny_llama_gguf(str(tmp_path / "m.gguf"), MIXES["q4_k_m"], seed=7)
+    g = torch.Generator().manual_seed(5)
+    # repetitive prompts, so the drafters find matches and verify several tokens a step
+    prompts = [(torch.randint(0, 512, (int(n),), generator=g).tolist() * 4)[:60]
+               for n in torch.randint(5, 15, (16,), generator=g)]
+    plain = _tokens(LLM(model=path, max_model_len=256, max_num_seqs=16, speculative_config=None), prompts, n=24)
+    spec = LLM(model=path, max_model_len=256, max_num_seqs=16,
+               speculative_config={"method": method, "num_speculative_tokens": 4})
+    assert _tokens(spec, prompts, n=24) == plain
+    assert spec.get_metrics()["spec_decode"]["num_drafts"] > 0
