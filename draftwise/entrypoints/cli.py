@@ -224,6 +224,14 @@ def main(argv=None) -> int:
         from draftwise.bench.step_cost import main as step_cost_main
         step_cost_main(argv[2:])
         return 0
+    if argv[:2] == ["bench", "quality"]:       # perplexity beside llama.cpp on one GGUF file
+        from draftwise.bench.quality import main as quality_main
+        try:
+            quality_main(argv[2:])
+        except ValueError as e:
+            print(f"draftwise: error: {e}", file=sys.stderr)
+            return 2
+        return 0
     parser = make_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.WARNING),

@@ -69,3 +69,13 @@ def test_step_cost_bench(tmp_path):
         assert r["step_ms"] > 0 and r["linears_ms"] > 0 and r["lm_head_ms"] > 0
         assert {"attention_ms", "other ops_ms", "python / dispatch_ms", "sampling_ms"} <= set(r)
     assert os.path.getsize(os.path.join(out, "step_cost.png")) > 1000
+
+
+def test_quality_scores_every_token_after_the_first():
+    import math
+    import torch
+    from draftwise.bench.quality import nll_of
+    logits = torch.tensor([[0.0, 1.0, 2.0], [2.0, 0.0, 0.0], [5.0, 5.0, 5.0]])
+    ids = [2, 1, 0]
+    want = -(torch.log_softmax(logits[0].double(), -1)[1] + torch.log_softmax(logits[1].double(), -1)[0])
+    assert math.isclose(nll_of(logits, ids), float(want), rel_tol=1e-12)
