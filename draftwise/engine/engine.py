@@ -59,7 +59,8 @@ class LLMEngine:
             head = emb if self.model_cfg.tie_word_embeddings else self.model.lm_head.weight.detach().clone()
             drafter_target = DrafterTargetView(self.model, emb, head)
             shard_target(self.model, 0, config.tensor_parallel_size)
-        self._keep_embedding_quantized()
+        blocks = self._gguf_blocks()               # int4 on a GGUF: its own blocks, read once
+        self._keep_embedding_quantized(blocks)
         self.tokenizer = load_tokenizer(self.model_path)
         self.eos_token_ids = tuple(self.model_cfg.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None \
@@ -73,7 +74,8 @@ class LLMEngine:
             self.proposer = build_proposer(self.spec_config, drafter_target, self.model_cfg, config,
                                            self.model_path)
             self.num_spec_tokens = self.spec_config.num_speculative_tokens
-        self._prepare_linears()
+        self._prepare_linears(blocks)
+        del blocks
         self.config = config = resolve_kv_cache_dtype(config)     # before the KV pool is sized
         lookahead = self.proposer.num_lookahead_tokens if self.proposer else 0
         num_blocks = config.num_kv_blocks or self._kv_blocks_for_budget(lookahead)
@@ -186,18 +188,18 @@ class LLMEngine:
         from draftwise.models.gguf_weights import GGUFBlocks
         return GGUFBlocks(gguf)
 
-    def _keep_embedding_quantized(self) -> None:
+    def _keep_embedding_quantized(self, blocks) -> None:
         """Look tokens up in the GGUF's own embedding blocks instead of the dense fp32 table (exact;
         a quarter of the table's memory or less). Done before the drafters are built, since they
         share the target's embedding; the LM head keeps reading the dense weight until the
         quantization below replaces it."""
-        parts = self._gguf_blocks().get("embed_tokens")
+        parts = blocks.get("embed_tokens")
         if not parts or tuple(parts[0].codes.shape) != tuple(self.model.embed_tokens.weight.shape):
             return
         from draftwise.layers.quant import GroupAffineEmbedding
         self.model.embed_tokens = GroupAffineEmbedding(parts[0], dtype=self.config.torch_dtype).to(self.config.device)
 
-    def _prepare_linears(self) -> None:
+    def _prepare_linears(self, blocks) -> None:
         """Weight-only quantization (layers/quant.py), else, on CPU, the weight layout the execution
         mode reads fastest (layers/linear.py); the drafter's linears get the same treatment (int8
         per channel when quantizing: its weights are not GGUF blocks, and 8 bits keep it close)."""
@@ -205,7 +207,8 @@ class LLMEngine:
         draft = getattr(self.proposer, "model", None)
         if config.quantization is not None:
             from draftwise.layers.quant import quantize_model
-            quantize_model(self.model, config.quantization, self._gguf_blocks())
+            if config.quantization != "gguf":         # a "gguf" model was built on its blocks by the loader
+                quantize_model(self.model, config.quantization, blocks)
             if draft is not None:
                 quantize_model(draft, "int8")
             if config.quantization in ("int4", "gguf") and config.enforce_eager and hasattr(self.model, "layers"):

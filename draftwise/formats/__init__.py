@@ -96,11 +96,6 @@ def nibbles(qs: np.ndarray) -> np.ndarray:
     return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
 
 
-def is_dense(type_name: str) -> bool:
-    from draftwise.formats.dense import DENSE
-    return type_name in DENSE
-
-
 def supported_types() -> list[str]:
     from draftwise.formats.dense import DENSE
     return sorted(FORMATS) + sorted(DENSE)

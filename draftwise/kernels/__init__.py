@@ -169,21 +169,21 @@ def _(x, nibbles, sm, use_amx):
     return x.new_empty((x.shape[0], nibbles.shape[0] * 16), dtype=torch.float32)
 
 
-def _call(name: str, op, x_bf16: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, use_amx):
-    """Run kernel `name`: inside compiled graphs through its custom op (opaque to the compiler),
-    eagerly straight into the extension (no dispatcher hop), named in profiles when one runs."""
-    use_amx = amx() if use_amx is None else bool(use_amx)
+def _call(name: str, op, x_bf16: torch.Tensor, *args):
+    """Run kernel `name` on x and its weight arguments: inside compiled graphs through its custom op
+    (opaque to the compiler), eagerly straight into the extension (no dispatcher hop), named in
+    profiles when one runs."""
     if torch.compiler.is_compiling():
-        return op(x_bf16, weight, scales, use_amx)
+        return op(x_bf16, *args)
     fn = getattr(_state.get("mod") or load(), name)
     if torch.autograd.profiler._is_profiler_enabled:          # named in profiles (draftwise bench step-cost)
         with torch.profiler.record_function(f"draftwise::{name}"):
-            return fn(x_bf16.contiguous(), weight, scales, use_amx)
-    return fn(x_bf16.contiguous(), weight, scales, use_amx)
+            return fn(x_bf16.contiguous(), *args)
+    return fn(x_bf16.contiguous(), *args)
 
 
 def int4_linear(x_bf16: torch.Tensor, nibbles: torch.Tensor, sm: torch.Tensor, use_amx: bool | None = None):
-    return _call("int4_linear", int4_linear_op, x_bf16, nibbles, sm, use_amx)
+    return _call("int4_linear", int4_linear_op, x_bf16, nibbles, sm, amx() if use_amx is None else bool(use_amx))
 
 
 def attend_rows_kernel(q, k_cache, v_cache, plan, scale: float, out: torch.Tensor) -> bool:
@@ -262,7 +262,7 @@ def unpack_int8(q8: torch.Tensor) -> torch.Tensor:
 
 
 def int8_linear(x_bf16: torch.Tensor, q8: torch.Tensor, scale: torch.Tensor, use_amx: bool | None = None):
-    return _call("int8_linear", int8_linear_op, x_bf16, q8, scale, use_amx)
+    return _call("int8_linear", int8_linear_op, x_bf16, q8, scale, amx() if use_amx is None else bool(use_amx))
 
 
 @torch.library.custom_op("draftwise::int8_linear", mutates_args=())
@@ -324,13 +324,7 @@ def unpack_affine(packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tens
 def affine_linear(x_bf16: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
                   group: int, offset: int) -> torch.Tensor:
     """y [M, N] fp32 = x [M, K] (bf16) . W^T for a group-affine weight in the kernel's layout."""
-    if torch.compiler.is_compiling():
-        return affine_linear_op(x_bf16, packed, scale, minimum, group, offset)
-    mod = _state.get("mod") or load()
-    if torch.autograd.profiler._is_profiler_enabled:
-        with torch.profiler.record_function("draftwise::affine_linear"):
-            return mod.affine_linear(x_bf16.contiguous(), packed, scale, minimum, group, offset)
-    return mod.affine_linear(x_bf16.contiguous(), packed, scale, minimum, group, offset)
+    return _call("affine_linear", affine_linear_op, x_bf16, packed, scale, minimum, group, offset)
 
 
 @torch.library.custom_op("draftwise::affine_linear", mutates_args=())

@@ -23,7 +23,7 @@ from torch import nn
 
 from draftwise.layers.quant_formats import INT4_GROUP, quantize_int4_groupwise, quantize_int8_per_channel  # noqa: F401
 
-QUANTIZATION_MODES = ("int8", "int4", "gguf")
+QUANTIZATION_MODES = ("int8", "int4")      # re-quantization; "gguf" models are built by the loader
 
 
 def _draftwise_kernels() -> bool:
@@ -150,11 +150,8 @@ def _linear_bias(mod: nn.Module):
 def quantize_model(model: nn.Module, mode: str, source: dict | None = None,
                    skip: tuple[str, ...] = ()) -> dict:
     """Replace the linears of `model` (nn.Linear, or the engine's TransposedLinear) by quantized
-    ones, in place.
-    - "gguf": every linear found in `source` (`models/gguf_weights.py`: {name: [GroupAffine parts]},
-      the file's own blocks) runs on them exactly - Q4_1 layer linears on the int4 kernels (the fused
-      layer reads them), every other family on the group-affine kernel; a linear the file keeps in
-      plain numbers stays as it is.
+    ones, in place (a GGUF run on its own blocks, "gguf", is built that way by
+    models/loader.load_gguf_target, with exact_linear below).
     - "int4": every layer linear group-wise int4 - the file's own blocks where `source` holds them
       as Q4_1 / Q4_0, else quantized from its weights (the Q4_1 recipe) - and the LM head per-channel
       int8.
@@ -171,14 +168,7 @@ def quantize_model(model: nn.Module, mode: str, source: dict | None = None,
             if not isinstance(sub, (nn.Linear, TransposedLinear)) or any(full.startswith(s) for s in skip):
                 continue
             w, b = _linear_weight(sub), _linear_bias(sub)
-            if mode == "gguf":
-                parts = source.get(full)
-                if parts is None or sum(p.codes.shape[0] for p in parts) != w.shape[0] \
-                        or parts[0].codes.shape[1] != w.shape[1]:
-                    continue
-                new = exact_linear(parts, b, full)
-                counts["exact"] += 1
-            elif mode == "int4" and full != "lm_head" and w.shape[1] % INT4_GROUP == 0:
+            if mode == "int4" and full != "lm_head" and w.shape[1] % INT4_GROUP == 0:
                 exact = as_q4_1(source[full]) if full in source else None
                 new = Int4Linear(*(exact or quantize_int4_groupwise(w)), INT4_GROUP, b)
                 counts["exact" if exact else "quantized"] += 1
@@ -191,7 +181,8 @@ def quantize_model(model: nn.Module, mode: str, source: dict | None = None,
 
 
 def exact_linear(parts, bias, name: str) -> nn.Module:
-    """Q4_1 layer weights (scale and minimum fp16-exact) on the int4 kernels, the rest group-affine."""
+    """A GGUF linear on its own blocks: Q4_1 / Q4_0 layer weights on the int4 kernels (the fused
+    layer's fastest path), every other family group-affine."""
     q4 = as_q4_1(parts) if name != "lm_head" else None
     if q4 is not None:
         return Int4Linear(*q4, INT4_GROUP, bias)

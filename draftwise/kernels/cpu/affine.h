@@ -67,39 +67,33 @@ DW_AVX2 inline void group_sums(const float* x, int K, int group, float* out) {
 // blocks' own fp16 numbers, at half the bytes);
 // F16PairScales: sm fp16 [blocks][G][2][16], the group's 16 scales then its 16 minimums (the int4
 // layout of GGUF Q4_1 blocks: both exact in fp16).
-struct F32Scales {
-  const float* s;
-  const float* m;
-  int G;
-  F32Scales at(int64_t b) const { return {s + b * G * NB, m ? m + b * G * NB : nullptr, G}; }
-  bool has_min() const { return m != nullptr; }
-  DW_AVX2 __m256 scale(int g, int h) const { return _mm256_loadu_ps(s + g * NB + h * 8); }
-  DW_AVX2 __m256 min(int g, int h) const { return _mm256_loadu_ps(m + g * NB + h * 8); }
-};
 
-struct F16Scales {                  // as F32Scales, in fp16 (where every scale and minimum is exact in it)
-  const uint16_t* s;
-  const uint16_t* m;
+// 8 scales from a table: fp32, or fp16 bits widened (exact)
+DW_AVX2 inline __m256 scales8(const float* p) { return _mm256_loadu_ps(p); }
+DW_AVX2 inline __m256 scales8(const uint16_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+template <typename T>
+struct GroupScales {
+  const T* s;
+  const T* m;
   int G;
-  F16Scales at(int64_t b) const { return {s + b * G * NB, m ? m + b * G * NB : nullptr, G}; }
+  GroupScales at(int64_t b) const { return {s + b * G * NB, m ? m + b * G * NB : nullptr, G}; }
   bool has_min() const { return m != nullptr; }
-  DW_AVX2 __m256 scale(int g, int h) const { return half8(s + g * NB + h * 8); }
-  DW_AVX2 __m256 min(int g, int h) const { return half8(m + g * NB + h * 8); }
-  DW_AVX2 static __m256 half8(const uint16_t* p) {
-    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  }
+  DW_AVX2 __m256 scale(int g, int h) const { return scales8(s + g * NB + h * 8); }
+  DW_AVX2 __m256 min(int g, int h) const { return scales8(m + g * NB + h * 8); }
 };
+using F32Scales = GroupScales<float>;
+using F16Scales = GroupScales<uint16_t>;    // fp16 bits
 
 struct F16PairScales {
   const uint16_t* sm;
   int G;
   F16PairScales at(int64_t b) const { return {sm + b * G * 2 * NB, G}; }
   bool has_min() const { return true; }
-  DW_AVX2 __m256 scale(int g, int h) const { return half8(sm + g * 2 * NB + h * 8); }
-  DW_AVX2 __m256 min(int g, int h) const { return half8(sm + g * 2 * NB + NB + h * 8); }
-  DW_AVX2 static __m256 half8(const uint16_t* p) {
-    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  }
+  DW_AVX2 __m256 scale(int g, int h) const { return scales8(sm + g * 2 * NB + h * 8); }
+  DW_AVX2 __m256 min(int g, int h) const { return scales8(sm + g * 2 * NB + NB + h * 8); }
 };
 
 // pair p's codes less the offset as fp32: w[0], w[1] = input 2p (columns 0-7, 8-15), w[2], w[3] = 2p + 1

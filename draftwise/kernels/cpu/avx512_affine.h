@@ -24,15 +24,16 @@ using affine::F32Scales;
 
 namespace affine512 {
 
-// a column block's 16 scales / minimums of group g, from affine.h's F32Scales (with G = 1 and
-// group = K it holds one scale per output channel: the int8 linear)
-AVX512BF16 inline __m512 scale16(const F32Scales& sc, int g) { return _mm512_loadu_ps(sc.s + g * NB); }
-AVX512BF16 inline __m512 min16(const F32Scales& sc, int g) { return _mm512_loadu_ps(sc.m + g * NB); }
-AVX512BF16 inline __m512 half16(const uint16_t* p) {
+// a column block's 16 scales / minimums of group g from affine.h's GroupScales (fp32 or fp16; with
+// G = 1 and group = K an F32Scales holds one scale per output channel: the int8 linear)
+AVX512BF16 inline __m512 scales16(const float* p) { return _mm512_loadu_ps(p); }
+AVX512BF16 inline __m512 scales16(const uint16_t* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
-AVX512BF16 inline __m512 scale16(const F16Scales& sc, int g) { return half16(sc.s + g * NB); }
-AVX512BF16 inline __m512 min16(const F16Scales& sc, int g) { return half16(sc.m + g * NB); }
+template <typename T>
+AVX512BF16 inline __m512 scale16(const affine::GroupScales<T>& sc, int g) { return scales16(sc.s + g * NB); }
+template <typename T>
+AVX512BF16 inline __m512 min16(const affine::GroupScales<T>& sc, int g) { return scales16(sc.m + g * NB); }
 
 // 16 columns' codes for inputs 2p (even) and 2p + 1 (odd) as int32 lanes -> one 64-byte pair row:
 // dword j = bf16(even[j] - off) | bf16(odd[j] - off) << 16 (exact: small integers)
