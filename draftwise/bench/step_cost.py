@@ -25,10 +25,12 @@ FORMATS = {"fp32": dict(quantization=None, dtype="float32"), "bf16": dict(quanti
            "int8": dict(quantization="int8", dtype="float32"), "int4": dict(quantization="int4", dtype="float32"),
            # int4 on PyTorch's kernels (DRAFTWISE_ISA=none) / on draftwise's for this CPU
            "int4-aten": dict(quantization="int4", dtype="float32", isa="none"),
-           "int4-draftwise": dict(quantization="int4", dtype="float32", isa="auto")}
+           "int4-draftwise": dict(quantization="int4", dtype="float32", isa="auto"),
+           # a GGUF file's own blocks, every family (the default for a quantized GGUF)
+           "gguf": dict(quantization="gguf", dtype="float32")}
 LINEAR_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::_weight_int4pack_mm_for_cpu", "aten::_weight_int8pack_mm",
               "mkldnn::_linear_pointwise", "aten::linear", "aten::matmul", "draftwise::int4_linear",
-              "draftwise::int8_linear",
+              "draftwise::int8_linear", "draftwise::affine_linear",
               # the fused int4 layer's two calls: its linears, with the norms, RoPE, SiLU and K/V writes
               # around them (a few percent of the calls)
               "draftwise::attn_in", "draftwise::attn_out_mlp")

@@ -33,6 +33,29 @@ class UnsupportedFormat(ValueError):
 
 
 @dataclass
+class ScaleFactors:
+    """A super-block family's scales as its file stores them: per 256 inputs an fp16 super-scale,
+    per group a small integer, so that scale = d * sc and minimum = dmin * m exactly in fp32 (the
+    products' bits fit its mantissa). Kernels keep these instead of the fp32 products: ~0.6 bits a
+    weight instead of 1-2."""
+    d: torch.Tensor                # [N, K / 256] fp32 (fp16 values)
+    sc: torch.Tensor               # [N, K / group] int8
+    dmin: torch.Tensor | None = None   # [N, K / 256] fp32 (fp16 values), negated: minimum = dmin * m
+    m: torch.Tensor | None = None      # [N, K / group] int8
+
+    def take_rows(self, idx) -> "ScaleFactors":
+        pick = lambda t: None if t is None else t[idx].contiguous()  # noqa: E731
+        return ScaleFactors(pick(self.d), pick(self.sc), pick(self.dmin), pick(self.m))
+
+    @staticmethod
+    def cat(parts: list["ScaleFactors | None"]) -> "ScaleFactors | None":
+        if any(p is None for p in parts) or len({p.dmin is None for p in parts}) > 1:
+            return None
+        join = lambda ts: None if ts[0] is None else torch.cat(ts, 0)  # noqa: E731
+        return ScaleFactors(*(join([getattr(p, f) for p in parts]) for f in ("d", "sc", "dmin", "m")))
+
+
+@dataclass
 class GroupAffine:
     """A [N, K] weight as group-affine integer codes (the kernels' common form)."""
     codes: torch.Tensor            # [N, K]: uint8 0..15 (bits 4) or 0..31 (bits 5), else int8
@@ -41,6 +64,7 @@ class GroupAffine:
     group: int                     # 16 or 32 inputs per scale
     bits: int                      # 4 or 5 (unsigned codes: a nibble, plus a high bit) or 8 (int8)
     offset: int = 0                # subtracted from every code (Q4_0: 8, Q5_0: 16, Q3_K: 4)
+    factors: ScaleFactors | None = None   # the super-block families' scales as stored (K-quants, IQ4_XS)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -67,7 +91,9 @@ class GroupAffine:
 @dataclass(frozen=True)
 class BlockFormat:
     """One GGUF type: its block geometry and its decoder (raw blocks [n, type_size] uint8 of a
-    row-major tensor -> (codes [n, block], scale [n, block/group], minimum or None))."""
+    row-major tensor -> (codes [n, block], scale [n, block/group], minimum or None), and for the
+    super-block families (block 256) the factors of both: (d [n, 1], sc [n, block/group] int8,
+    dmin [n, 1] or None, m or None) with scale = d * sc and minimum = dmin * m)."""
     name: str
     block_size: int                # weights per block
     type_size: int                 # bytes per block
@@ -120,19 +146,29 @@ def decode(type_name: str, raw: np.ndarray, shape: tuple[int, int]) -> GroupAffi
     codes = np.empty((n, fmt.block_size), dtype=np.int8 if fmt.bits == 8 else np.uint8)
     scale = np.empty((n, fmt.block_size // fmt.group), dtype=np.float32)
     minimum = None
+    factors: list | None = None
     # in slices of blocks, so the decoders' temporaries stay small beside a large tensor (an
     # embedding of 150k rows); the file's pages are read once, in order
     for b0 in range(0, n, DECODE_SLICE):
-        c, s, m = fmt.decode_blocks(np.ascontiguousarray(blocks[b0:b0 + DECODE_SLICE]))
-        codes[b0:b0 + DECODE_SLICE] = c
-        scale[b0:b0 + DECODE_SLICE] = s
+        c, s, m, *f = fmt.decode_blocks(np.ascontiguousarray(blocks[b0:b0 + DECODE_SLICE]))
+        sl = slice(b0, b0 + DECODE_SLICE)
+        codes[sl] = c
+        scale[sl] = s
         if m is not None:
             if minimum is None:
                 minimum = np.empty_like(scale)
-            minimum[b0:b0 + DECODE_SLICE] = m
+            minimum[sl] = m
+        if f:
+            if factors is None:
+                factors = [None if a is None else np.empty((n, a.shape[1]), dtype=a.dtype) for a in f[0]]
+            for dst, a in zip(factors, f[0]):
+                if dst is not None:
+                    dst[sl] = a
     as_t = lambda a: torch.from_numpy(a.reshape(N, K // fmt.group))  # noqa: E731
+    sf = None if factors is None else ScaleFactors(*(None if a is None else torch.from_numpy(a.reshape(N, -1))
+                                                     for a in factors))
     return GroupAffine(torch.from_numpy(codes.reshape(N, K)), as_t(scale), None if minimum is None else as_t(minimum),
-                       fmt.group, fmt.bits, fmt.offset)
+                       fmt.group, fmt.bits, fmt.offset, sf)
 
 
 # the families register themselves

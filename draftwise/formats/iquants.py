@@ -26,7 +26,7 @@ def _iq4_xs(b):
     hi = ((sh >> np.arange(0, 16, 2, dtype=np.uint16).reshape(1, 8)) & 3).astype(np.uint8)
     ls = (sl | (hi << 4)).astype(np.int8) - np.int8(32)
     q = (b[:, 8:136].reshape(n, 8, 1, 16) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)) & 0x0F
-    return KVALUES[q.reshape(n, 256)], d * ls.astype(np.float32), None
+    return KVALUES[q.reshape(n, 256)], d * ls.astype(np.float32), None, (d, ls, None, None)
 
 
 IQ4_NL = register(BlockFormat("IQ4_NL", 32, 18, 32, 8, 0, _iq4_nl))

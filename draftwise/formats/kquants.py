@@ -8,7 +8,8 @@ products, so every type is group-affine codes exactly (layouts as ggml-quants.c 
     Q5_K   8 x 32: w = d sc q - dmin m       q 5-bit          codes q (5-bit)
     Q6_K  16 x 16: w = d sc (q - 32)         sc int8, q 6-bit codes q - 32 (int8)
 
-Q4_K / Q5_K pack their eight 6-bit scale and minimum pairs in 12 bytes (`scale_min_k4`)."""
+Q4_K / Q5_K pack their eight 6-bit scale and minimum pairs in 12 bytes (`scale_min_k4`). Each
+decoder also returns the factors (d, sc, -dmin, m) the kernels keep instead of the products."""
 from __future__ import annotations
 
 import numpy as np
@@ -32,7 +33,8 @@ def _q2_k(b):
     sc, qs = b[:, 0:16], b[:, 16:80]
     d, dmin = f16(b[:, 80:82])[:, None], f16(b[:, 82:84])[:, None]
     q = (qs.reshape(n, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)) & 3
-    return q.reshape(n, QK_K), d * (sc & 0x0F).astype(np.float32), -(dmin * (sc >> 4).astype(np.float32))
+    s, m = (sc & 0x0F).astype(np.int8), (sc >> 4).astype(np.int8)
+    return q.reshape(n, QK_K), d * s.astype(np.float32), -(dmin * m.astype(np.float32)), (d, s, -dmin, m)
 
 
 def _q3_k(b):
@@ -46,7 +48,7 @@ def _q3_k(b):
     h = (hmask.reshape(n, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & 1       # [n, 8, 32]
     # q = ql - 4 (1 - h): stored as q + 4 = ql + 4 h, in 0..7
     codes = ql.reshape(n, 8, 32) + (h << 2)
-    return codes.reshape(n, QK_K), scale, None
+    return codes.reshape(n, QK_K), scale, None, (d, sc, None, None)
 
 
 def _q4_k(b):
@@ -54,7 +56,7 @@ def _q4_k(b):
     d, dmin = f16(b[:, 0:2])[:, None], f16(b[:, 2:4])[:, None]
     sc, mn = scale_min_k4(b[:, 4:16])
     q = (b[:, 16:144].reshape(n, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)) & 0x0F
-    return q.reshape(n, QK_K), d * sc, -(dmin * mn)
+    return q.reshape(n, QK_K), d * sc, -(dmin * mn), (d, sc.astype(np.int8), -dmin, mn.astype(np.int8))
 
 
 def _q5_k(b):
@@ -65,7 +67,7 @@ def _q5_k(b):
     ql = (qs.reshape(n, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)) & 0x0F
     h = (qh.reshape(n, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & 1
     q = ql.reshape(n, 8, 32) | (h << 4)
-    return q.reshape(n, QK_K), d * sc, -(dmin * mn)
+    return q.reshape(n, QK_K), d * sc, -(dmin * mn), (d, sc.astype(np.int8), -dmin, mn.astype(np.int8))
 
 
 def _q6_k(b):
@@ -75,7 +77,7 @@ def _q6_k(b):
     lo = (ql.reshape(n, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)) & 0x0F
     hi = (qh.reshape(n, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)) & 0x03
     q = (lo.reshape(n, 8, 32) | (hi.reshape(n, 8, 32) << 4)).astype(np.int8) - np.int8(32)
-    return q.reshape(n, QK_K), d * sc.astype(np.float32), None
+    return q.reshape(n, QK_K), d * sc.astype(np.float32), None, (d, sc, None, None)
 
 
 Q2_K = register(BlockFormat("Q2_K", QK_K, 84, 16, 4, 0, _q2_k))

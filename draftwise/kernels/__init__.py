@@ -32,7 +32,7 @@ _state: dict = {}
 ISAS = ("amx", "avx512", "avx2", "none")           # best first
 _SOURCES = {"amx": "avx512.cpp", "avx512": "avx512.cpp", "avx2": "avx2.cpp"}
 _CFLAGS = {"avx2.cpp": ["-mavx2", "-mfma", "-mf16c"]}   # the AVX-512 file marks its functions itself
-_AVX512 = {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"}
+_AVX512 = {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "avx512_vnni"}
 
 
 def cpu_isa() -> str:
@@ -118,9 +118,23 @@ def _build(source: str):
     from torch.utils.cpp_extension import load as build
     here = os.path.join(os.path.dirname(__file__), "cpu")
     logger.info("building the %s CPU kernels (first run only)", source)
+    # torch rebuilds an extension when its listed source changes, not its headers: a digest of every
+    # file here in the flags makes any change (an upgrade) rebuild instead of loading a stale library
     return build(name="draftwise_cpu_" + source.split(".")[0], sources=[os.path.join(here, source)],
-                 extra_include_paths=[here], extra_cflags=["-O3", "-fopenmp", *_CFLAGS.get(source, [])],
+                 extra_include_paths=[here],
+                 extra_cflags=["-O3", "-fopenmp", f"-DDRAFTWISE_SOURCES={_sources_digest(here)}",
+                               *_CFLAGS.get(source, [])],
                  extra_ldflags=["-fopenmp"], verbose=False)
+
+
+def _sources_digest(folder: str) -> str:
+    import hashlib
+    h = hashlib.sha256()
+    for name in sorted(os.listdir(folder)):
+        if name.endswith((".h", ".cpp")):
+            with open(os.path.join(folder, name), "rb") as f:
+                h.update(name.encode() + b"\0" + f.read())
+    return h.hexdigest()[:16]
 
 
 def attention_reads_16bit() -> bool:
@@ -275,55 +289,100 @@ def _(x, q8, scale, use_amx):
     return x.new_empty((x.shape[0], q8.shape[0] * 16), dtype=torch.float32)
 
 
-def pack_affine(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor | None, group: int, bits: int):
-    """A GroupAffine weight (draftwise/formats) -> the affine kernel's layout: (codes: 4-bit uint8
-    [N/16, K/2, 16], 5-bit uint8 [N/16, K/2, 20] (the nibbles, then a word of high bits per pair)
-    or int8 [N/16, K, 16]; scale [N/16, K/group, 16]; minimum the same, or an empty tensor). Scales and minimums are kept in fp16 where every one is exact in it (the legacy and IQ4
-    families store fp16 numbers: half the scale bytes), else in fp32 (K-quants' products)."""
+def pack_affine(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor | None, group: int, bits: int,
+                offset: int, factors=None):
+    """A GroupAffine weight (draftwise/formats) -> the int8-activation kernels' dot layout
+    (cpu/q8act.h): (codes, scale, minimum, offset).
+
+    codes: per block of 16 output columns and octet o of inputs, 4- to 6-bit codes as uint8
+    [N/16, K/8, 64 + 16 (bits - 4)] (byte 4j + i = code[j][8o + i] | code[j][8o + 4 + i] << 4, then
+    per bit above 3 two 64-bit masks); int8 codes as [N/16, K/8, 128] (two quads of code - offset,
+    byte 4j + i = input 4h + i; the offset returned is then 0). Codes of 8 bits that fit in 6 (GGUF
+    Q6_K's q - 32) are stored in 6, offset 32. scale / minimum: the super-block factors where given
+    (uint8 [N/16, K/256, 32 + 16 * 256/group]: per super-block 16 fp16 d, then the int8 sub-scales),
+    else [N/16, K/group, 16] in fp16 where every value is exact in it (the legacy families' own fp16
+    numbers), else fp32; minimum empty where the family has none."""
     N, K = codes.shape
-    if bits in (4, 5):
-        c = codes.to(torch.uint8).reshape(N // 16, 16, K // 2, 2)
-        packed = ((c[..., 0] & 15) | ((c[..., 1] & 15) << 4)).transpose(1, 2).contiguous()      # [N/16, K/2, 16]
-        if bits == 5:
-            # per pair: 4 more bytes, bit j = column j's high bit for input 2p, bit 16 + j for 2p + 1
-            hi = (c >> 4).to(torch.int64).transpose(1, 2)                                        # [N/16, K/2, 16, 2]
-            word = (hi[..., 0] << torch.arange(16)).sum(-1) | (hi[..., 1] << torch.arange(16, 32)).sum(-1)
-            high = word.to(torch.int32).view(torch.uint8).reshape(N // 16, K // 2, 4)  # little-endian uint32
-            packed = torch.cat([packed, high], -1).contiguous()                                   # [N/16, K/2, 20]
+    if bits == 8:
+        centred = codes.to(torch.int16) - offset
+        if int(centred.min()) >= -32 and int(centred.max()) <= 31:
+            codes, bits, offset = (centred + 32).to(torch.uint8), 6, 32
+    if bits <= 6:
+        c = codes.to(torch.uint8).reshape(N // 16, 16, K // 8, 2, 4)                   # [B, j, o, half, i]
+        nib = (c[:, :, :, 0] & 15) | ((c[:, :, :, 1] & 15) << 4)                      # [B, j, o, i]
+        steps = [nib.permute(0, 2, 1, 3).reshape(N // 16, K // 8, 64)]
+        for t in range(bits - 4):                                                      # a mask pair per high bit
+            hi = ((c >> (4 + t)) & 1).permute(0, 2, 3, 1, 4).reshape(N // 16, K // 8, 2, 8, 8)
+            steps.append((hi << torch.arange(8, dtype=torch.uint8)).sum(-1, dtype=torch.uint8).reshape(N // 16, K // 8, 16))
+        packed = torch.cat(steps, -1).contiguous()
     else:
-        packed = codes.to(torch.int8).reshape(N // 16, 16, K).transpose(1, 2).contiguous()
+        c = (codes.to(torch.int16) - offset).to(torch.int8).reshape(N // 16, 16, K // 4, 4)
+        packed = c.permute(0, 2, 1, 3).reshape(N // 16, K // 8, 128).contiguous()
+        offset = 0
+    if factors is not None:
+        scale_t, minimum_t = _super_records(factors.d, factors.sc), None
+        if factors.m is not None:
+            minimum_t = _super_records(factors.dmin, factors.m)
+        return packed, scale_t, torch.empty(0, dtype=torch.uint8) if minimum_t is None else minimum_t, offset
 
     exact16 = all(t is None or bool(torch.equal(t.half().float(), t.float())) for t in (scale, minimum))
     dtype = torch.float16 if exact16 else torch.float32
 
     def per_block(t):
         return t.to(dtype).reshape(N // 16, 16, K // group).transpose(1, 2).contiguous()
-    return packed, per_block(scale), torch.empty(0, dtype=dtype) if minimum is None else per_block(minimum)
+    return (packed, per_block(scale), torch.empty(0, dtype=dtype) if minimum is None else per_block(minimum),
+            offset)
+
+
+def _super_records(d: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """Factors d [N, S] (fp16 values) and q [N, S * gps] int8 -> uint8 [N/16, S, 32 + 16 gps]: per
+    column block and super-block, the 16 columns' d in fp16, then gps x 16 sub-scales."""
+    N, S = d.shape
+    gps = q.shape[1] // S
+    d16 = d.to(torch.float16).reshape(N // 16, 16, S).transpose(1, 2).contiguous().view(torch.uint8)  # [B, S, 32]
+    qs = q.to(torch.int8).reshape(N // 16, 16, S, gps).permute(0, 2, 3, 1).reshape(N // 16, S, gps * 16)
+    return torch.cat([d16, qs.contiguous().view(torch.uint8)], -1).contiguous()
+
+
+def unpack_scales(t: torch.Tensor, group: int) -> torch.Tensor:
+    """A dot layout's scale (or minimum) table -> fp32 [N/16, K/group, 16]."""
+    if t.dtype != torch.uint8:
+        return t.float()
+    B, S, width = t.shape
+    gps = (width - 32) // 16
+    d = t[..., :32].contiguous().view(torch.float16).float()                            # [B, S, 16]
+    q = t[..., 32:].contiguous().view(torch.int8).reshape(B, S, gps, 16).float()
+    return (d[:, :, None, :] * q).reshape(B, S * gps, 16)
+
+
+def unpack_codes(packed: torch.Tensor) -> torch.Tensor:
+    """The codes [N, K] of a dot layout (8-bit ones less their offset)."""
+    B, O = packed.shape[:2]
+    if packed.dtype == torch.int8:
+        return packed.reshape(B, 2 * O, 16, 4).permute(0, 2, 1, 3).reshape(B * 16, O * 8)
+    nib = packed[..., :64].reshape(B, O, 16, 4)
+    halves = torch.stack([nib & 15, nib >> 4], 3)                                       # [B, o, j, half, i]
+    for t in range((packed.shape[-1] - 64) // 16):
+        bits = (packed[..., 64 + 16 * t:80 + 16 * t].reshape(B, O, 2, 8, 1) >> torch.arange(8, dtype=torch.uint8)) & 1
+        halves = halves | (bits.reshape(B, O, 2, 16, 4).transpose(2, 3) << (4 + t))
+    return halves.permute(0, 2, 1, 3, 4).reshape(B * 16, O * 8)
 
 
 def unpack_affine(packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, group: int, offset: int):
-    """The fp32 [N, K] weight of the affine kernel's layout: scale * (code - offset) (+ minimum)."""
-    B = packed.shape[0]
-    if packed.dtype == torch.uint8:
-        nib = packed[..., :16]
-        pairs = torch.stack([nib & 15, nib >> 4], -1)                                             # [B, K/2, 16, 2]
-        if packed.shape[-1] == 20:
-            word = packed[..., 16:].contiguous().view(torch.int32).to(torch.int64)                 # [B, K/2, 1]
-            bits = (word >> torch.arange(32)) & 1                                                 # [B, K/2, 32]
-            pairs = pairs | (bits.reshape(B, -1, 2, 16).transpose(2, 3) << 4).to(torch.uint8)
-        codes = pairs.permute(0, 2, 1, 3).reshape(B * 16, -1)
-    else:
-        codes = packed.transpose(1, 2).reshape(B * 16, -1)
-    K = codes.shape[1]
-    w = (codes.float() - offset).reshape(B * 16, K // group, group) * scale.float().transpose(1, 2).reshape(B * 16, -1, 1)
+    """The fp32 [N, K] weight of the dot layout: scale * (code - offset) (+ minimum)."""
+    codes = unpack_codes(packed)
+    N, K = codes.shape
+    per_row = lambda t: unpack_scales(t, group).transpose(1, 2).reshape(N, -1, 1)  # noqa: E731
+    w = (codes.float() - offset).reshape(N, K // group, group) * per_row(scale)
     if minimum.numel():
-        w = w + minimum.float().transpose(1, 2).reshape(B * 16, -1, 1)
-    return w.reshape(B * 16, K)
+        w = w + per_row(minimum)
+    return w.reshape(N, K)
 
 
 def affine_linear(x_bf16: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
                   group: int, offset: int) -> torch.Tensor:
-    """y [M, N] fp32 = x [M, K] (bf16) . W^T for a group-affine weight in the kernel's layout."""
+    """y [M, N] fp32 = x [M, K] (bf16, quantized per block of 32 to int8 by the kernel) . W^T for a
+    group-affine weight in the dot layout (pack_affine)."""
     return _call("affine_linear", affine_linear_op, x_bf16, packed, scale, minimum, group, offset)
 
 

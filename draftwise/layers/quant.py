@@ -224,9 +224,11 @@ class GroupAffineLinear(_QuantizedLinear):
         if any(p.codes.shape[0] % 16 for p in parts):
             raise ValueError("group-affine linears need output sizes that are multiples of 16")
         self.draftwise_kernel = _draftwise_kernels()
-        self.meta = [(p.group, p.offset) for p in parts]
+        self.meta = []
         for i, p in enumerate(parts):
-            packed, scale, minimum = pack_affine(p.codes, p.scale, p.minimum, p.group, p.bits)
+            packed, scale, minimum, offset = pack_affine(p.codes, p.scale, p.minimum, p.group, p.bits, p.offset,
+                                                         p.factors)
+            self.meta.append((p.group, offset))
             self.register_buffer(f"codes{i}", packed)
             self.register_buffer(f"scale{i}", scale)
             self.register_buffer(f"minimum{i}", minimum)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from draftwise.formats import FORMATS, GroupAffine, decode
+from draftwise.formats import FORMATS, GroupAffine, ScaleFactors, decode
 from draftwise.models.gguf_convert import _BLOCK_MAP, gguf_config, unpermute_qk
 
 _FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
@@ -33,14 +33,16 @@ def concat_rows(parts: list[GroupAffine]) -> list[GroupAffine]:
             continue
         cat = lambda a, b: torch.cat([a, b], 0)  # noqa: E731
         out[-1] = GroupAffine(cat(last.codes, p.codes), cat(last.scale, p.scale),
-                              None if p.minimum is None else cat(last.minimum, p.minimum), p.group, p.bits, p.offset)
+                              None if p.minimum is None else cat(last.minimum, p.minimum), p.group, p.bits, p.offset,
+                              ScaleFactors.cat([last.factors, p.factors]))
     return out
 
 
 def _permute_rows(ga: GroupAffine, n_head: int) -> GroupAffine:
     perm = torch.from_numpy(unpermute_qk(np.arange(ga.codes.shape[0]), n_head))
     return GroupAffine(ga.codes[perm].contiguous(), ga.scale[perm].contiguous(),
-                       None if ga.minimum is None else ga.minimum[perm].contiguous(), ga.group, ga.bits, ga.offset)
+                       None if ga.minimum is None else ga.minimum[perm].contiguous(), ga.group, ga.bits, ga.offset,
+                       None if ga.factors is None else ga.factors.take_rows(perm))
 
 
 def release_metadata(reader) -> None:

@@ -1,6 +1,7 @@
-"""The group-affine linear (every GGUF block family) on each ISA path this CPU has: bit-identical
-to a scalar reference of its order of operations, within 1e-3 of an fp64 matmul of the dequantized
-weight, and the same bits for a row whatever the rows beside it."""
+"""The group-affine linear (every GGUF block family) on each ISA path this CPU has: its activations
+quantized to int8 per block of 32 (as llama.cpp's q8_0), bit-identical to a scalar reference of its
+order of operations, within 2e-2 of an fp64 matmul of the dequantized weight (the int8 activations'
+error), and the same bits for a row whatever the rows beside it."""
 import pytest
 import torch
 
@@ -11,44 +12,43 @@ from tests.formats.test_blocks import random_blocks
 
 
 def _lane_sum(v: torch.Tensor) -> torch.Tensor:
-    """8 lanes [M, 8] summed as both ISAs' reductions do: halves, then (0 + 2, 1 + 3), then the two."""
+    """8 lanes [M, 8] summed as the kernels' reductions do: halves, then (0 + 2, 1 + 3), then the two."""
     s4 = v[:, 0:4] + v[:, 4:8]
     return (s4[:, 0:1] + s4[:, 2:3]) + (s4[:, 1:2] + s4[:, 3:4])
 
 
-def reference(x_bf16: torch.Tensor, ga, isa: str) -> torch.Tensor:
-    """The kernel's arithmetic in scalar steps. Per group two partial dot products: on AVX2 the even
-    and the odd inputs, one FMA each in input order; on AVX-512 the even and the odd input pairs, one
-    bf16 dot-product step each (pair element 2p+1's product added first, then 2p's). Every product
-    x * code is exact in fp32 (bf16 x a small integer), so each step is one rounded add. Then
-    acc = fma(d_even + d_odd, scale, acc) and acc = fma(minimum, sum(x_g), acc), fma as an exact
-    product in fp64 rounded once to fp32."""
+def quantize_activations(x: torch.Tensor):
+    """Rows [M, K] fp32 -> (int codes [M, K], scales [M, K/32]): d = max|x| / 127 per block of 32,
+    q = x * (1 / d) rounded to nearest even (fp32 arithmetic throughout)."""
+    M, K = x.shape
+    xb = x.reshape(M, K // 32, 32)
+    d = xb.abs().amax(-1) / torch.tensor(127.0)
+    inv = torch.where(d > 0, torch.tensor(1.0) / d, torch.zeros_like(d))
+    q = torch.round(xb * inv[..., None]).reshape(M, K)
+    return q, d
+
+
+def reference(x_bf16: torch.Tensor, ga) -> torch.Tensor:
+    """The kernels' arithmetic in scalar steps (the same on every ISA): per group the exact integer
+    sum of (code - offset) x q, then acc = fma(T, scale * d, acc) and acc = fma(minimum, sum(x_g),
+    acc), fma as an exact product in fp64 rounded once to fp32."""
     x = x_bf16.float()
     M, K = x.shape
-    c = ga.codes.float() - ga.offset                       # [N, K]
+    q, d = quantize_activations(x)
+    c = (ga.codes.to(torch.int64) - ga.offset)                  # [N, K]
     gs = ga.group
     acc = torch.zeros(M, c.shape[0])
-    fma = lambda a, b, d: (a.double() * b.double() + d.double()).float()  # noqa: E731
-    term = lambda k: x[:, k:k + 1] * c[:, k][None]  # noqa: E731
+    fma = lambda a, b, e: (a.double() * b.double() + e.double()).float()  # noqa: E731
     for g in range(K // gs):
-        d = [torch.zeros(M, c.shape[0]), torch.zeros(M, c.shape[0])]
         k0 = g * gs
-        if isa == "avx2":
-            for k in range(k0, k0 + gs):
-                d[k % 2] = d[k % 2] + term(k)
-        else:
-            for p in range(k0 // 2, (k0 + gs) // 2):
-                d[p % 2] = (d[p % 2] + term(2 * p + 1)) + term(2 * p)
-        acc = fma(d[0] + d[1], ga.scale[:, g][None], acc)
+        t = q[:, k0:k0 + gs].to(torch.int64) @ c[:, k0:k0 + gs].t()          # exact
+        sd = ga.scale[:, g][None] * d[:, k0 // 32:k0 // 32 + 1]
+        acc = fma(t.float(), sd, acc)
         if ga.minimum is not None:
             xg = x[:, k0:k0 + gs]
-            if isa == "avx2":
-                v = xg[:, 0:8] + xg[:, 8:16]
-                if gs == 32:
-                    v = v + (xg[:, 16:24] + xg[:, 24:32])
-            else:
-                v16 = xg[:, 0:16] + xg[:, 16:32] if gs == 32 else xg
-                v = v16[:, 0:8] + v16[:, 8:16]
+            v = xg[:, 0:8] + xg[:, 8:16]
+            if gs == 32:
+                v = v + (xg[:, 16:24] + xg[:, 24:32])
             acc = fma(ga.minimum[:, g][None], _lane_sum(v), acc)
     return acc
 
@@ -67,24 +67,26 @@ def test_affine_kernel_equals_its_reference(isa_kernels, name):
     lin = GroupAffineLinear([ga])
     assert lin.draftwise_kernel
     y = lin(x.float())
-    ref = reference(x, ga, "avx2" if isa_kernels == "avx2" else "avx512")
+    ref = reference(x, ga)
     assert torch.equal(y, ref), (y - ref).abs().max()
     exact = x.double() @ ga.dequantize().double().t()
-    assert ((y.double() - exact).abs().max() / exact.abs().max()).item() < 1e-3
+    assert ((y.double() - exact).abs().max() / exact.abs().max()).item() < 2e-2
 
 
 @pytest.mark.parametrize("name", ["Q4_K", "Q6_K", "Q8_0", "Q4_0"])
 def test_affine_rows_are_independent_of_the_call(kernel_isa, name):
-    """Register tiles (up to 3 rows), the fp32 tile (more), and the PyTorch fallback (DRAFTWISE_ISA
-    =none) alike: a row's bits do not depend on the rows beside it."""
+    """Register tiles (up to 4 or 6 rows), row chunks, and the PyTorch fallback (DRAFTWISE_ISA=none)
+    alike: a row's bits do not depend on the rows beside it."""
     ga = _weight(name, N=48)
     lin = GroupAffineLinear([ga])
     x = torch.randn(11, ga.codes.shape[1])
     alone = torch.cat([lin(x[i:i + 1]) for i in range(11)])
     for m in (2, 3, 4, 11):
         assert torch.equal(lin(x[:m]), alone[:m]), m
+    many = torch.randn(70, x.shape[1])               # more rows than a chunk keeps in cache
+    assert torch.equal(lin(many)[69:], lin(many[69:]))
     exact = x.to(torch.bfloat16).double() @ ga.dequantize().double().t()
-    assert ((alone.double() - exact).abs().max() / exact.abs().max()).item() < 1e-3
+    assert ((alone.double() - exact).abs().max() / exact.abs().max()).item() < 2e-2
 
 
 def test_mixed_parts_join_in_order(kernel_isa):
@@ -95,11 +97,18 @@ def test_mixed_parts_join_in_order(kernel_isa):
     assert torch.equal(lin.dequantize(), w)
     x = torch.randn(3, w.shape[1])
     exact = x.to(torch.bfloat16).double() @ w.double().t()
-    assert ((lin(x).double() - exact).abs().max() / exact.abs().max()).item() < 1e-3
+    assert ((lin(x).double() - exact).abs().max() / exact.abs().max()).item() < 2e-2
 
 
-def test_pack_unpack_round_trip():
-    for name in ("Q4_1", "Q3_K", "Q5_K", "IQ4_XS"):
-        ga = _weight(name)
-        packed = kernels.pack_affine(ga.codes, ga.scale, ga.minimum, ga.group, ga.bits)
-        assert torch.equal(kernels.unpack_affine(*packed, ga.group, ga.offset), ga.dequantize())
+@pytest.mark.parametrize("name", ["Q4_1", "Q3_K", "Q5_K", "Q5_0", "Q6_K", "Q8_0", "IQ4_XS"])
+def test_pack_unpack_round_trip(name):
+    ga = _weight(name)
+    codes, scale, minimum, offset = kernels.pack_affine(ga.codes, ga.scale, ga.minimum, ga.group, ga.bits, ga.offset,
+                                                        ga.factors)
+    assert torch.equal(kernels.unpack_affine(codes, scale, minimum, ga.group, offset), ga.dequantize())
+    want = ga.codes.to(torch.int16) - (ga.offset - offset)
+    assert torch.equal(kernels.unpack_codes(codes).to(torch.int16), want)
+    if ga.factors is not None:                       # the file's factors, not the fp32 products
+        assert scale.dtype == torch.uint8 and (minimum.numel() == 0 or minimum.dtype == torch.uint8)
+        assert torch.equal(kernels.unpack_scales(scale, ga.group), kernels.pack_affine(
+            ga.codes, ga.scale, ga.minimum, ga.group, ga.bits, ga.offset)[1].float())

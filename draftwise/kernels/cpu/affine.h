@@ -1,18 +1,11 @@
-// The group-affine linear every GGUF block family runs on (draftwise/formats): y[M, N] = x[M, K]
-// (bf16) . W[N, K]^T, fp32 out, with
+// Group-affine rows on AVX2 + FMA + F16C for the bf16-activation linears: y[M, N] = x[M, K] (bf16)
+// . W[N, K]^T, fp32 out, with
 //     W[n, k] = scale[n, g] * (code[n, k] - offset) + minimum[n, g]      g = k / group (16 or 32)
-// on AVX2 + FMA + F16C (every x86 ISA path has it; the AVX-512 module includes this file too, its
-// functions marked for AVX2 themselves).
-//
-// The int4 linear of GGUF Q4_1 blocks on AVX2 is this kernel too (4-bit codes, group 32, the scales
-// and minimums read from their fp16 table: F16PairScales).
-//
-// Layouts (made by draftwise/kernels/__init__.py:pack_affine):
-//   codes:   4-bit: uint8 [N/16, K/2, 16], byte j of pair p = code[n0+j][2p] | code[n0+j][2p+1] << 4
-//            5-bit: uint8 [N/16, K/2, 20], the 4-bit layout's 16 bytes of each pair, then a
-//                   little-endian word of the codes' high bits (bit j: code[n0+j][2p], 16 + j: 2p+1)
-//            8-bit: int8  [N/16, K, 16],   16 columns' codes per input k
-//   scale:   fp32 [N/16, K/group, 16];  minimum: the same, or empty (no minimum)
+// Every x86 ISA path has these (the AVX-512 module includes this file too, its functions marked for
+// AVX2 themselves). The int4 linear of GGUF Q4_1 / Q4_0 blocks on AVX2 is this kernel (4-bit codes
+// in the nibble-pair layout of common.h, group 32, the scales and minimums read from their fp16
+// table: F16PairScales); the scale policies (GroupScales) serve the int8-activation kernels of the
+// other GGUF families too (q8act.h).
 //
 // Activations are widened to fp32 (exact), the codes converted to fp32 less the offset (exact small
 // integers), and for every output element the order of operations is fixed: per group two partial
@@ -108,43 +101,6 @@ struct Nibbles {
     w[1] = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(hi, m), off));
     w[2] = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(lo, 4), off));
     w[3] = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(hi, 4), off));
-  }
-};
-
-// 5-bit codes: a pair's 16 nibble bytes as Nibbles, then a 32-bit word of high bits (bit j: column j,
-// input 2p; bit 16 + j: column j, input 2p + 1)
-struct Nibbles5 {
-  using T = uint8_t;
-  static constexpr int64_t bytes_per_pair = NB + 4;
-  DW_AVX2 static inline void unpack(const uint8_t* pk, __m256i off, __m256 w[4]) {
-    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(pk));
-    const __m256i lo = _mm256_cvtepu8_epi32(b), hi = _mm256_cvtepu8_epi32(_mm_unpackhi_epi64(b, b));
-    const __m256i m = _mm256_set1_epi32(15);
-    uint32_t word;
-    std::memcpy(&word, pk + NB, 4);
-    const __m256i hw = _mm256_set1_epi32(static_cast<int>(word));
-    // lane j of h[i]: 16 where bit 8 i + j of the word is set (columns 0-7 / 8-15 of input 2p, then
-    // of 2p + 1): the word shifted left so that bit to the sign, then an arithmetic shift and a mask
-    const __m256i sixteen = _mm256_set1_epi32(16);
-    __m256i h[4];
-    for (int i = 0; i < 4; ++i)
-      h[i] = _mm256_and_si256(_mm256_srai_epi32(_mm256_sllv_epi32(hw, _mm256_setr_epi32(
-                 31 - 8 * i, 30 - 8 * i, 29 - 8 * i, 28 - 8 * i, 27 - 8 * i, 26 - 8 * i, 25 - 8 * i, 24 - 8 * i)), 31),
-                              sixteen);
-    w[0] = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_or_si256(_mm256_and_si256(lo, m), h[0]), off));
-    w[1] = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_or_si256(_mm256_and_si256(hi, m), h[1]), off));
-    w[2] = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_or_si256(_mm256_srli_epi32(lo, 4), h[2]), off));
-    w[3] = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_or_si256(_mm256_srli_epi32(hi, 4), h[3]), off));
-  }
-};
-
-struct Int8Codes {
-  using T = int8_t;
-  static constexpr int64_t bytes_per_pair = 2 * NB;
-  DW_AVX2 static inline void unpack(const int8_t* q, __m256i off, __m256 w[4]) {
-    for (int i = 0; i < 4; ++i)
-      w[i] = _mm256_cvtepi32_ps(_mm256_sub_epi32(
-          _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + i * 8))), off));
   }
 };
 
@@ -265,42 +221,6 @@ torch::Tensor linear(const torch::Tensor& x, int group, const typename C::T* cod
 
 inline const uint16_t* half_ptr(const torch::Tensor& t) {
   return reinterpret_cast<const uint16_t*>(t.data_ptr<at::Half>());
-}
-
-// the arguments' checks, shared by every ISA's affine_linear
-inline void check_affine(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scale,
-                         const torch::Tensor& minimum, int64_t group) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16 && x.is_contiguous(), "x: contiguous bf16 [M, K]");
-  TORCH_CHECK(group == 16 || group == 32, "group: 16 or 32");
-  const bool nib = codes.scalar_type() == torch::kByte;
-  TORCH_CHECK(nib || codes.scalar_type() == torch::kChar, "codes: uint8 nibbles or int8");
-  TORCH_CHECK(codes.dim() == 3 && (codes.size(2) == NB || (nib && codes.size(2) == NB + 4)) && codes.is_contiguous(),
-              "codes: contiguous [N/16, ., 16] (5-bit: [N/16, K/2, 20])");
-  const int64_t K = x.size(1), N = codes.size(0) * NB;
-  TORCH_CHECK(K % group == 0 && codes.size(1) == (nib ? K / 2 : K), "codes: K mismatch");
-  TORCH_CHECK((scale.scalar_type() == torch::kFloat || scale.scalar_type() == torch::kHalf) && scale.is_contiguous() &&
-              scale.numel() == N * (K / group), "scale: contiguous fp32 or fp16 [N/16, K/group, 16]");
-  TORCH_CHECK(minimum.numel() == 0 || (minimum.scalar_type() == scale.scalar_type() && minimum.is_contiguous() &&
-                                       minimum.numel() == scale.numel()), "minimum: like scale, or empty");
-}
-
-// y [M, N] fp32 = x [M, K] bf16 . W^T for a group-affine weight (layouts above), on AVX2 FMAs
-inline torch::Tensor affine_linear_avx2(const torch::Tensor& x, const torch::Tensor& codes,
-                                        const torch::Tensor& scale, const torch::Tensor& minimum, int64_t group,
-                                        int64_t offset) {
-  check_affine(x, codes, scale, minimum, group);
-  const int gs = static_cast<int>(group), off = static_cast<int>(offset), G = static_cast<int>(x.size(1) / group);
-  const bool has_min = minimum.numel() > 0;
-  auto run = [&](const auto& sc) {
-    if (codes.scalar_type() == torch::kByte && codes.size(2) == NB + 4)
-      return affine::linear<affine::Nibbles5>(x, gs, codes.data_ptr<uint8_t>(), off, sc, codes.size(0));
-    if (codes.scalar_type() == torch::kByte)
-      return affine::linear<affine::Nibbles>(x, gs, codes.data_ptr<uint8_t>(), off, sc, codes.size(0));
-    return affine::linear<affine::Int8Codes>(x, gs, codes.data_ptr<int8_t>(), off, sc, codes.size(0));
-  };
-  if (scale.scalar_type() == torch::kHalf)
-    return run(affine::F16Scales{half_ptr(scale), has_min ? half_ptr(minimum) : nullptr, G});
-  return run(affine::F32Scales{scale.data_ptr<float>(), has_min ? minimum.data_ptr<float>() : nullptr, G});
 }
 
 }  // namespace draftwise

@@ -13,6 +13,7 @@
 // The row-invariant attention, RMSNorm, SiLU-and-mul, bf16 rounding and the argmax follow the
 // AVX-512 file's algorithms 8 lanes at a time (their results differ from it in rounding only).
 #include "affine.h"
+#include "avx2_q8act.h"
 
 namespace draftwise {
 namespace {
@@ -392,7 +393,7 @@ bool amx_available() { return false; }
 
 inline torch::Tensor affine_linear(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scale,
                                    const torch::Tensor& minimum, int64_t group, int64_t offset) {
-  return affine_linear_avx2(x, codes, scale, minimum, group, offset);
+  return affine_linear_avx2(x, codes, scale, minimum, group, offset);   // avx2_q8act.h
 }
 
 }  // namespace draftwise

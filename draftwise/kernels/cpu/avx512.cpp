@@ -17,6 +17,7 @@
 // ATen and the Python bindings only (not torch/extension.h, which pulls in all of libtorch's C++ API
 // and makes the first-run build ~40 % slower)
 #include "avx512_affine.h"
+#include "avx512_q8act.h"
 #include <sys/syscall.h>
 #include <unistd.h>
 #include <memory>

@@ -1,0 +1,147 @@
+// The int8-activation group-affine linear (q8act.h: layouts, order of operations) on AVX2:
+// vpmaddubsw multiplies 32 unsigned code bytes by 32 signed activation bytes and adds adjacent
+// pairs to int16, vpmaddwd with ones adds those pairs to int32: per 256-bit vector 8 columns x 4
+// inputs. A column block is run as two halves of 8 columns (bytes 0-31 and 32-63 of each 64-byte
+// step). Products stay inside int16: 4- to 6-bit codes (at most 63 x 127 x 2 per pair; an octet's
+// two pairs summed: 32,004); int8 codes use the sign trick (|code| x activation with the code's sign:
+// 128 x 127 x 2 = 32,512), so they need no offset.
+#pragma once
+
+#include "q8act.h"
+
+namespace draftwise {
+namespace q8act256 {
+
+constexpr int MT_MAX = 4;      // rows per register tile
+
+// the int32 dot products of octet `oct` for one half's 8 columns, added to `acc`: 4/5-bit codes
+// unsigned (a = inputs 0-3, b = 4-7), 8-bit signed
+template <int BITS>
+DW_AVX2 inline void load_half(const uint8_t* p, int h, __m256i& a, __m256i& b) {
+  if constexpr (BITS == 8) {
+    a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + h * 32));
+    b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 + h * 32));
+  } else {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + h * 32)), m = _mm256_set1_epi8(15);
+    a = _mm256_and_si256(v, m);
+    b = _mm256_and_si256(_mm256_srli_epi16(v, 4), m);
+    // bits 4 (and 5): the half's 32 bits of each mask -> 32 bytes of 16 (32) where set; byte t
+    // gets mask byte t / 8, then its bit t % 8
+    const __m256i select = _mm256_set1_epi64x(0x8040201008040201LL);
+    const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                            2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+    for (int t = 0; t < BITS - 4; ++t) {
+      uint32_t lo, hi;
+      std::memcpy(&lo, p + 64 + 16 * t + h * 4, 4);
+      std::memcpy(&hi, p + 72 + 16 * t + h * 4, 4);
+      const __m256i value = _mm256_set1_epi8(static_cast<char>(16 << t));
+      auto expand = [&](uint32_t bits) {
+        const __m256i s = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(bits)), spread);
+        return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(s, select), select), value);
+      };
+      a = _mm256_or_si256(a, expand(lo));
+      b = _mm256_or_si256(b, expand(hi));
+    }
+  }
+}
+
+template <int BITS>
+DW_AVX2 inline __m256i dot_octet(__m256i a, __m256i b, int32_t xa, int32_t xb) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  const __m256i va = _mm256_set1_epi32(xa), vb = _mm256_set1_epi32(xb);
+  __m256i pa, pb;
+  if constexpr (BITS == 8) {
+    pa = _mm256_maddubs_epi16(_mm256_abs_epi8(a), _mm256_sign_epi8(va, a));
+    pb = _mm256_maddubs_epi16(_mm256_abs_epi8(b), _mm256_sign_epi8(vb, b));
+    return _mm256_add_epi32(_mm256_madd_epi16(pa, ones), _mm256_madd_epi16(pb, ones));
+  } else {
+    pa = _mm256_maddubs_epi16(a, va);
+    pb = _mm256_maddubs_epi16(b, vb);
+    return _mm256_madd_epi16(_mm256_add_epi16(pa, pb), ones);
+  }
+}
+
+// rows r0 .. r0 + MT - 1 of one half-block of 8 columns
+template <int BITS, int MT, typename S>
+DW_AVX2 void rows(const q8act::Activations& act, int r0, const uint8_t* pk, int h, const S& sc, float* y, int64_t N) {
+  const int K = act.K, group = act.group, G = act.G, OG = group / q8act::OCTET;
+  const int64_t sb = q8act::step_bytes(BITS);
+  __m256 acc[MT];
+  for (int r = 0; r < MT; ++r) acc[r] = _mm256_setzero_ps();
+  const int32_t* xq[MT];
+  for (int r = 0; r < MT; ++r) xq[r] = reinterpret_cast<const int32_t*>(act.row(r0 + r));
+  for (int g = 0; g < G; ++g) {
+    __m256i ia[MT];
+    for (int r = 0; r < MT; ++r) ia[r] = _mm256_setzero_si256();
+    for (int o = 0; o < OG; ++o) {
+      const int oct = g * OG + o;
+      _mm_prefetch(reinterpret_cast<const char*>(pk + oct * sb + PREFETCH_BYTES), _MM_HINT_T0);
+      __m256i a, b;
+      load_half<BITS>(pk + oct * sb, h, a, b);
+      for (int r = 0; r < MT; ++r)
+        ia[r] = _mm256_add_epi32(ia[r], dot_octet<BITS>(a, b, xq[r][2 * oct], xq[r][2 * oct + 1]));
+    }
+    const __m256 s = sc.scale(g, h);
+    const int db = g * group / q8act::QBLOCK;
+    for (int r = 0; r < MT; ++r) {
+      const int rr = r0 + r;
+      const __m256i t = _mm256_sub_epi32(ia[r], _mm256_set1_epi32(act.corr[rr * G + g]));
+      const __m256 sd = _mm256_mul_ps(s, _mm256_set1_ps(act.d[rr * (K / q8act::QBLOCK) + db]));
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), sd, acc[r]);
+    }
+    if (sc.has_min()) {
+      const __m256 m = sc.min(g, h);
+      for (int r = 0; r < MT; ++r) acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(act.xs[(r0 + r) * G + g]), acc[r]);
+    }
+  }
+  for (int r = 0; r < MT; ++r) _mm256_storeu_ps(y + static_cast<int64_t>(r) * N + h * 8, acc[r]);
+}
+
+template <int BITS, typename S>
+DW_AVX2 void rows_any(int mt, const q8act::Activations& act, int r0, const uint8_t* pk, int h, const S& sc, float* y,
+                      int64_t N) {
+  switch (mt) {
+    case 1: rows<BITS, 1, S>(act, r0, pk, h, sc, y, N); break;
+    case 2: rows<BITS, 2, S>(act, r0, pk, h, sc, y, N); break;
+    case 3: rows<BITS, 3, S>(act, r0, pk, h, sc, y, N); break;
+    case 4: rows<BITS, 4, S>(act, r0, pk, h, sc, y, N); break;
+    default: break;
+  }
+}
+
+template <int BITS, typename S>
+void column_blocks(const q8act::Activations& act, const uint8_t* codes, const S& scales, int64_t blocks, float* y) {
+  const int M = act.M;
+  const int64_t N = blocks * NB, block_bytes = static_cast<int64_t>(act.K / q8act::OCTET) * q8act::step_bytes(BITS);
+  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+    for (int c0 = 0; c0 < M; c0 += q8act::ROW_CHUNK) {
+      const int c1 = std::min(M, c0 + q8act::ROW_CHUNK);
+      for (int64_t b = b0; b < b1; ++b) {
+        const S sc = scales.at(b);
+        for (int h = 0; h < 2; ++h)
+          for (int r = c0; r < c1; r += MT_MAX)
+            rows_any<BITS, S>(std::min(MT_MAX, c1 - r), act, r, codes + b * block_bytes, h, sc,
+                              y + static_cast<int64_t>(r) * N + b * NB, N);
+      }
+    }
+  });
+}
+
+}  // namespace q8act256
+
+// y [M, N] fp32 = x [M, K] bf16 . W^T for a group-affine weight in a dot layout (q8act.h), on AVX2
+inline torch::Tensor affine_linear_avx2(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scale,
+                                        const torch::Tensor& minimum, int64_t group, int64_t offset) {
+  const uint8_t* cp = static_cast<const uint8_t*>(codes.data_ptr());
+  return q8act::dot_linear(x, codes, scale, minimum, group, offset, 0,
+                           [&](const auto& sc, int bits, const q8act::Activations& acts, torch::Tensor& y) {
+    using S = std::decay_t<decltype(sc)>;
+    float* yp = y.data_ptr<float>();
+    if (bits == 4) q8act256::column_blocks<4, S>(acts, cp, sc, codes.size(0), yp);
+    else if (bits == 5) q8act256::column_blocks<5, S>(acts, cp, sc, codes.size(0), yp);
+    else if (bits == 6) q8act256::column_blocks<6, S>(acts, cp, sc, codes.size(0), yp);
+    else q8act256::column_blocks<8, S>(acts, cp, sc, codes.size(0), yp);
+  });
+}
+
+}  // namespace draftwise

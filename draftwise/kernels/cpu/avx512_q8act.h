@@ -1,0 +1,152 @@
+// The int8-activation group-affine linear (q8act.h: layouts, order of operations) on AVX512-VNNI:
+// vpdpbusd multiplies 64 unsigned code bytes by 64 signed activation bytes and adds each lane's four
+// products to its int32, so one instruction is 16 columns x 4 inputs. A 64-byte code step holds an
+// octet of inputs for 16 columns: its low nibbles are inputs 0-3, its high nibbles 4-7 (5-bit codes
+// add 16 where the step's high-bit masks say; int8 codes are two 64-byte quads, made unsigned by
+// flipping the sign bit: code + 128, the 128 taken out with the offset; 6-bit codes add 16 and 32). Each step is loaded once and
+// serves every row of the tile; each row has two int32 chains (inputs 0-3 and 4-7 of the octets),
+// added at the group's end (exact), so one row's dot products do not wait on one long chain.
+#pragma once
+
+#include "q8act.h"
+
+#define AVX512VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")))
+
+namespace draftwise {
+namespace q8act512 {
+
+constexpr int MT_MAX = 6;      // rows per register tile (4 zmm each)
+
+// a column block's 16 scales / minimums of group g, from each scale policy
+AVX512VNNI inline __m512 scales16(const float* p) { return _mm512_loadu_ps(p); }
+AVX512VNNI inline __m512 scales16(const uint16_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+template <typename T>
+AVX512VNNI inline __m512 scale16(const affine::GroupScales<T>& sc, int g) { return scales16(sc.s + g * NB); }
+template <typename T>
+AVX512VNNI inline __m512 min16(const affine::GroupScales<T>& sc, int g) { return scales16(sc.m + g * NB); }
+AVX512VNNI inline __m512 super16(const q8act::SuperScales& sc, const uint8_t* t, int g) {
+  const uint8_t* r = t + (g / sc.gps) * sc.rec();
+  const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r)));
+  const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(r + 32 + (g % sc.gps) * NB));
+  return _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)));
+}
+AVX512VNNI inline __m512 scale16(const q8act::SuperScales& sc, int g) { return super16(sc, sc.s, g); }
+AVX512VNNI inline __m512 min16(const q8act::SuperScales& sc, int g) { return super16(sc, sc.m, g); }
+
+// one octet's codes as two unsigned byte vectors: a = inputs 0-3 of each column, b = inputs 4-7
+template <int BITS>
+AVX512VNNI inline void load_step(const uint8_t* p, __m512i& a, __m512i& b) {
+  if constexpr (BITS == 8) {
+    const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+    a = _mm512_xor_si512(_mm512_loadu_si512(p), flip);
+    b = _mm512_xor_si512(_mm512_loadu_si512(p + 64), flip);
+  } else {
+    const __m512i v = _mm512_loadu_si512(p), m = _mm512_set1_epi8(15);
+    a = _mm512_and_si512(v, m);
+    b = _mm512_and_si512(_mm512_srli_epi16(v, 4), m);
+    // bits 4 (and 5) from the step's masks: 16 (32) added where set
+    for (int t = 0; t < BITS - 4; ++t) {
+      uint64_t lo, hi;
+      std::memcpy(&lo, p + 64 + 16 * t, 8);
+      std::memcpy(&hi, p + 72 + 16 * t, 8);
+      const __m512i v16 = _mm512_set1_epi8(static_cast<char>(16 << t));
+      a = _mm512_mask_add_epi8(a, lo, a, v16);
+      b = _mm512_mask_add_epi8(b, hi, b, v16);
+    }
+  }
+}
+
+// rows r0 .. r0 + MT - 1 of one column block (its codes `pk`, its scales `sc`)
+template <int BITS, int MT, typename S>
+AVX512VNNI void rows(const q8act::Activations& act, int r0, const uint8_t* pk, const S& sc, float* y, int64_t N) {
+  const int K = act.K, group = act.group, G = act.G, OG = group / q8act::OCTET;
+  const int64_t sb = q8act::step_bytes(BITS);
+  __m512 acc[MT];
+#pragma GCC unroll 8
+  for (int r = 0; r < MT; ++r) acc[r] = _mm512_setzero_ps();
+  const int32_t* xq[MT];
+  for (int r = 0; r < MT; ++r) xq[r] = reinterpret_cast<const int32_t*>(act.row(r0 + r));
+  for (int g = 0; g < G; ++g) {
+    __m512i ia[MT], ib[MT];
+#pragma GCC unroll 8
+    for (int r = 0; r < MT; ++r) ia[r] = ib[r] = _mm512_setzero_si512();
+    for (int o = 0; o < OG; ++o) {
+      const int oct = g * OG + o;
+      _mm_prefetch(reinterpret_cast<const char*>(pk + oct * sb + PREFETCH_BYTES), _MM_HINT_T0);
+      __m512i a, b;
+      load_step<BITS>(pk + oct * sb, a, b);
+#pragma GCC unroll 8
+      for (int r = 0; r < MT; ++r) {
+        ia[r] = _mm512_dpbusd_epi32(ia[r], a, _mm512_set1_epi32(xq[r][2 * oct]));
+        ib[r] = _mm512_dpbusd_epi32(ib[r], b, _mm512_set1_epi32(xq[r][2 * oct + 1]));
+      }
+    }
+    const __m512 s = scale16(sc, g);
+    const int db = g * group / q8act::QBLOCK;
+#pragma GCC unroll 8
+    for (int r = 0; r < MT; ++r) {
+      const int rr = r0 + r;
+      const __m512i t = _mm512_sub_epi32(_mm512_add_epi32(ia[r], ib[r]), _mm512_set1_epi32(act.corr[rr * G + g]));
+      const __m512 sd = _mm512_mul_ps(s, _mm512_set1_ps(act.d[rr * (K / q8act::QBLOCK) + db]));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), sd, acc[r]);
+    }
+    if (sc.has_min()) {
+      const __m512 m = min16(sc, g);
+#pragma GCC unroll 8
+      for (int r = 0; r < MT; ++r) acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(act.xs[(r0 + r) * G + g]), acc[r]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < MT; ++r) _mm512_storeu_ps(y + static_cast<int64_t>(r) * N, acc[r]);
+}
+
+template <int BITS, typename S>
+AVX512VNNI void rows_any(int mt, const q8act::Activations& act, int r0, const uint8_t* pk, const S& sc, float* y,
+                         int64_t N) {
+  switch (mt) {
+#define CASE(n) case n: rows<BITS, n, S>(act, r0, pk, sc, y, N); break;
+    CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6)
+#undef CASE
+    default: break;
+  }
+}
+
+// every column block, in parallel; within a thread's share, rows in chunks whose activations stay
+// in cache, each chunk in register tiles of up to MT_MAX rows
+template <int BITS, typename S>
+void column_blocks(const q8act::Activations& act, const uint8_t* codes, const S& scales, int64_t blocks, float* y) {
+  const int M = act.M;
+  const int64_t N = blocks * NB, block_bytes = static_cast<int64_t>(act.K / q8act::OCTET) * q8act::step_bytes(BITS);
+  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+    for (int c0 = 0; c0 < M; c0 += q8act::ROW_CHUNK) {
+      const int c1 = std::min(M, c0 + q8act::ROW_CHUNK);
+      for (int64_t b = b0; b < b1; ++b) {
+        const S sc = scales.at(b);
+        for (int r = c0; r < c1; r += MT_MAX)
+          rows_any<BITS, S>(std::min(MT_MAX, c1 - r), act, r, codes + b * block_bytes, sc,
+                            y + static_cast<int64_t>(r) * N + b * NB, N);
+      }
+    }
+  });
+}
+
+}  // namespace q8act512
+
+// y [M, N] fp32 = x [M, K] bf16 . W^T for a group-affine weight in a dot layout (q8act.h)
+inline torch::Tensor affine_linear(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scale,
+                                   const torch::Tensor& minimum, int64_t group, int64_t offset) {
+  const uint8_t* cp = static_cast<const uint8_t*>(codes.data_ptr());
+  return q8act::dot_linear(x, codes, scale, minimum, group, offset, 128,
+                           [&](const auto& sc, int bits, const q8act::Activations& acts, torch::Tensor& y) {
+    using S = std::decay_t<decltype(sc)>;
+    float* yp = y.data_ptr<float>();
+    if (bits == 4) q8act512::column_blocks<4, S>(acts, cp, sc, codes.size(0), yp);
+    else if (bits == 5) q8act512::column_blocks<5, S>(acts, cp, sc, codes.size(0), yp);
+    else if (bits == 6) q8act512::column_blocks<6, S>(acts, cp, sc, codes.size(0), yp);
+    else q8act512::column_blocks<8, S>(acts, cp, sc, codes.size(0), yp);
+  });
+}
+
+}  // namespace draftwise

@@ -1,0 +1,182 @@
+// The group-affine linear (every GGUF block family, draftwise/formats) on int8 activations, as
+// llama.cpp's CPU kernels run its block types: y[M, N] = x[M, K] . W[N, K]^T, fp32 out, with
+//     W[n, k] = scale[n, g] * (code[n, k] - offset) + minimum[n, g]      g = k / group (16 or 32)
+// held exactly (the file's own codes and scales), and each row of x quantized per block of 32 inputs
+// to int8 with one fp32 scale (llama.cpp's q8_0: d = max|x| / 127, q = round-to-nearest-even(x / d)).
+// The integer dot products of codes and quantized activations are exact; per group
+//     acc = fma(float(sum_k (code - offset) * q), scale * d, acc)
+//     acc = fma(minimum, sum_k x, acc)                  (the minimum times the group's fp32 inputs)
+// in that order for every row, whatever the number of rows in the call, so a row's bits never
+// depend on the rows beside it. The ISA files hold the dot products: avx512_q8act.h (VNNI
+// vpdpbusd, 16 columns per instruction) and avx2_q8act.h (vpmaddubsw, 8 columns).
+//
+// Code layouts ("dot layouts", made by draftwise/kernels/__init__.py:pack_affine), per block of 16
+// output columns n0..n0+15 and octet o of inputs 8o..8o+7:
+//   4-bit: uint8 [N/16, K/8, 64]: byte 4j + i = code[n0+j][8o+i] | code[n0+j][8o+4+i] << 4, so the
+//          low nibbles are, per 32-bit lane j, column j's inputs 8o..8o+3 (the lane a dot-product
+//          instruction sums) and the high nibbles its inputs 8o+4..8o+7
+//   5-bit: uint8 [N/16, K/8, 80]: the 4-bit octet, then two little-endian 64-bit masks of the
+//          codes' bit 4 (bit 4j + i of the first: code[n0+j][8o+i], of the second: 8o+4+i)
+//   6-bit: uint8 [N/16, K/8, 96]: the 5-bit octet, then two masks of bit 5 (GGUF Q6_K)
+//   8-bit: int8  [N/16, K/8, 128]: two 64-byte quads, byte 4j + i of quad h = code[n0+j][8o+4h+i]
+//          less the offset (stored signed; the kernel is called with offset 0)
+// scale / minimum: [N/16, K/group, 16] fp32 or fp16 (affine.h's GroupScales), or for the super-block
+// families the file's factors (SuperScales): uint8 [N/16, K/256, 32 + 16 gps] (gps = 256 / group),
+// per super-block 16 fp16 super-scales then gps x 16 int8 sub-scales; scale = d * sc, exact in fp32.
+#pragma once
+
+#include "affine.h"
+
+namespace draftwise {
+namespace q8act {
+
+constexpr int QBLOCK = 32;     // inputs per activation scale
+constexpr int OCTET = 8;       // inputs per code step
+constexpr int ROW_CHUNK = 64;  // rows whose activations stay in cache while a thread's column blocks pass
+
+inline int64_t step_bytes(int bits) { return bits == 8 ? 128 : 64 + 16 * (bits - 4); }
+
+// The scales of the super-block families as their files store them (a column block's 16 lanes
+// per super-block: d fp16 [16], then sc int8 [gps][16]); a group's scale is d * sc in fp32, the
+// same bits as the product table (both factors exact, the product within fp32's mantissa).
+struct SuperScales {
+  const uint8_t* s;
+  const uint8_t* m;             // the minimums' factors (dmin negated, m), or null
+  int G, gps;
+  int64_t rec() const { return 32 + 16 * static_cast<int64_t>(gps); }
+  SuperScales at(int64_t b) const {
+    const int64_t off = b * (G / gps) * rec();
+    return {s + off, m ? m + off : nullptr, G, gps};
+  }
+  bool has_min() const { return m != nullptr; }
+  DW_AVX2 __m256 lanes(const uint8_t* t, int g, int h) const {
+    const uint8_t* r = t + (g / gps) * rec();
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(r + h * 16)));
+    const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(r + 32 + (g % gps) * NB + h * 8));
+    return _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)));
+  }
+  DW_AVX2 __m256 scale(int g, int h) const { return lanes(s, g, h); }
+  DW_AVX2 __m256 min(int g, int h) const { return lanes(m, g, h); }
+};
+
+// x's rows quantized for the dot products, and what the group terms need
+struct Activations {
+  int M, K, group, G;
+  Aligned<int8_t> q;           // [M, K] int8 codes
+  std::vector<float> d;        // [M, K / 32] scale per block of 32 inputs
+  std::vector<int32_t> corr;   // [M, G] offset * sum of the group's q (the codes' offset taken out exactly)
+  std::vector<float> xs;       // [M, G] sum of the group's fp32 inputs (the minimum's term)
+  Activations(int M_, int K_, int group_)
+      : M(M_), K(K_), group(group_), G(K_ / group_), q(static_cast<size_t>(M_) * K_),
+        d(static_cast<size_t>(M_) * (K_ / QBLOCK)), corr(static_cast<size_t>(M_) * G), xs(static_cast<size_t>(M_) * G) {}
+  const int8_t* row(int r) const { return q.p + static_cast<int64_t>(r) * K; }
+};
+
+// 8 fp32 -> 8 int32, round to nearest even (the default MXCSR mode), then the 32 of a block packed
+// to int8 in input order
+DW_AVX2 inline void store_q32(__m256 v[4], __m256 id, int8_t* out) {
+  __m256i i[4];
+  for (int t = 0; t < 4; ++t) i[t] = _mm256_cvtps_epi32(_mm256_mul_ps(v[t], id));
+  // packs work per 128-bit lane: [0-3, 8-11, 4-7, 12-15] then bytes [0-3, 8-11, 16-19, 24-27 | 4-7, ...]
+  const __m256i p16a = _mm256_packs_epi32(i[0], i[1]), p16b = _mm256_packs_epi32(i[2], i[3]);
+  const __m256i p8 = _mm256_packs_epi16(p16a, p16b);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out),
+                      _mm256_permutevar8x32_epi32(p8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+}
+
+// one row: bf16 [K] -> int8 q [K], d [K / 32], group sums of q (times offset) and of x
+DW_AVX2 inline void quantize_row(const uint16_t* x, int K, int group, int offset, int8_t* q, float* d,
+                                 int32_t* corr, float* xs) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  for (int b = 0; b < K / QBLOCK; ++b) {
+    __m256 v[4];
+    __m256 amax = _mm256_setzero_ps();
+    for (int t = 0; t < 4; ++t) {
+      v[t] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(x + b * QBLOCK + t * 8))), 16));
+      amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[t]));
+    }
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
+    const float dd = _mm_cvtss_f32(m) / 127.0f;
+    d[b] = dd;
+    store_q32(v, _mm256_set1_ps(dd > 0.0f ? 1.0f / dd : 0.0f), q + b * QBLOCK);
+    // the fp32 group sums in affine.h's order: (0-7 + 8-15) (+ (16-23 + 24-31)), then the lanes
+    if (group == 32) {
+      xs[b] = affine::hsum8(_mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3])));
+    } else {
+      xs[2 * b] = affine::hsum8(_mm256_add_ps(v[0], v[1]));
+      xs[2 * b + 1] = affine::hsum8(_mm256_add_ps(v[2], v[3]));
+    }
+  }
+  for (int g = 0; g < K / group; ++g) {
+    int32_t s = 0;
+    for (int k = 0; k < group; ++k) s += q[g * group + k];
+    corr[g] = offset * s;
+  }
+}
+
+// every row of x (bf16 [M, K]) quantized, in parallel
+inline void quantize_rows(const torch::Tensor& x, int group, int offset, Activations& a) {
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  const int K = a.K, G = a.G;
+  for_rows(a.M, [&](int64_t r) {
+    quantize_row(xp + r * K, K, group, offset, a.q.p + r * K, a.d.data() + r * (K / QBLOCK), a.corr.data() + r * G,
+                 a.xs.data() + r * G);
+  });
+}
+
+// the arguments' checks and the layout's bit width (4, 5 or 8), shared by every ISA
+inline int check_dot_layout(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scale,
+                            const torch::Tensor& minimum, int64_t group) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16 && x.is_contiguous(), "x: contiguous bf16 [M, K]");
+  TORCH_CHECK(group == 16 || group == 32, "group: 16 or 32");
+  const int64_t K = x.size(1);
+  TORCH_CHECK(K % QBLOCK == 0, "K: a multiple of 32");
+  TORCH_CHECK(codes.dim() == 3 && codes.is_contiguous() && codes.size(1) * OCTET == K, "codes: contiguous [N/16, K/8, .]");
+  int bits = 0;
+  for (int b : {4, 5, 6})
+    if (codes.scalar_type() == torch::kByte && codes.size(2) == step_bytes(b)) bits = b;
+  if (codes.scalar_type() == torch::kChar && codes.size(2) == step_bytes(8)) bits = 8;
+  TORCH_CHECK(bits, "codes: uint8 [N/16, K/8, 64 | 80 | 96] (4-, 5-, 6-bit) or int8 [.., 128] (8-bit)");
+  const int64_t N = codes.size(0) * NB;
+  if (scale.scalar_type() == torch::kByte) {
+    TORCH_CHECK(K % 256 == 0 && scale.is_contiguous() && scale.numel() == N / NB * (K / 256) * (32 + 16 * (256 / group)),
+                "scale: super-block factors uint8 [N/16, K/256, 32 + 16 * 256/group]");
+  } else {
+    TORCH_CHECK((scale.scalar_type() == torch::kFloat || scale.scalar_type() == torch::kHalf) && scale.is_contiguous() &&
+                scale.numel() == N * (K / group), "scale: contiguous fp32 or fp16 [N/16, K/group, 16]");
+  }
+  TORCH_CHECK(minimum.numel() == 0 || (minimum.scalar_type() == scale.scalar_type() && minimum.is_contiguous() &&
+                                       minimum.numel() == scale.numel()), "minimum: like scale, or empty");
+  return bits;
+}
+
+// y = x . W^T: x quantized, then `blocks_fn(scales, bits, acts, y)` over the column blocks (an ISA's
+// kernel) with the scale table in its type
+template <typename F>
+torch::Tensor dot_linear(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scale,
+                         const torch::Tensor& minimum, int64_t group, int64_t offset, int extra_offset,
+                         const F& blocks_fn) {
+  const int bits = check_dot_layout(x, codes, scale, minimum, group);
+  const int M = x.size(0), K = x.size(1), G = K / static_cast<int>(group);
+  auto y = at::empty({M, codes.size(0) * NB}, x.options().dtype(torch::kFloat));
+  if (M == 0) return y;
+  Activations acts(M, K, static_cast<int>(group));
+  // the 8-bit codes enter the unsigned dot products shifted by `extra_offset` (128 on VNNI)
+  quantize_rows(x, static_cast<int>(group), static_cast<int>(offset) + (bits == 8 ? extra_offset : 0), acts);
+  const bool has_min = minimum.numel() > 0;
+  if (scale.scalar_type() == torch::kByte)
+    blocks_fn(SuperScales{scale.data_ptr<uint8_t>(), has_min ? minimum.data_ptr<uint8_t>() : nullptr, G,
+                          256 / static_cast<int>(group)}, bits, acts, y);
+  else if (scale.scalar_type() == torch::kHalf)
+    blocks_fn(affine::F16Scales{half_ptr(scale), has_min ? half_ptr(minimum) : nullptr, G}, bits, acts, y);
+  else
+    blocks_fn(affine::F32Scales{scale.data_ptr<float>(), has_min ? minimum.data_ptr<float>() : nullptr, G}, bits, acts,
+              y);
+  return y;
+}
+
+}  // namespace q8act
+}  // namespace draftwise
