@@ -11,12 +11,6 @@ from draftwise.layers.quant import GroupAffineLinear
 from tests.formats.test_blocks import random_blocks
 
 
-def _lane_sum(v: torch.Tensor) -> torch.Tensor:
-    """8 lanes [M, 8] summed as the kernels' reductions do: halves, then (0 + 2, 1 + 3), then the two."""
-    s4 = v[:, 0:4] + v[:, 4:8]
-    return (s4[:, 0:1] + s4[:, 2:3]) + (s4[:, 1:2] + s4[:, 3:4])
-
-
 def quantize_activations(x: torch.Tensor):
     """Rows [M, K] fp32 -> (int codes [M, K], scales [M, K/32]): d = max|x| / 127 per block of 32,
     q = x * (1 / d) rounded to nearest even (fp32 arithmetic throughout)."""
@@ -30,7 +24,7 @@ def quantize_activations(x: torch.Tensor):
 
 def reference(x_bf16: torch.Tensor, ga) -> torch.Tensor:
     """The kernels' arithmetic in scalar steps (the same on every ISA): per group the exact integer
-    sum of (code - offset) x q, then acc = fma(T, scale * d, acc) and acc = fma(minimum, sum(x_g),
+    sum of (code - offset) x q, then acc = fma(T, scale * d, acc) and acc = fma(minimum, d * sum(q_g),
     acc), fma as an exact product in fp64 rounded once to fp32."""
     x = x_bf16.float()
     M, K = x.shape
@@ -45,11 +39,8 @@ def reference(x_bf16: torch.Tensor, ga) -> torch.Tensor:
         sd = ga.scale[:, g][None] * d[:, k0 // 32:k0 // 32 + 1]
         acc = fma(t.float(), sd, acc)
         if ga.minimum is not None:
-            xg = x[:, k0:k0 + gs]
-            v = xg[:, 0:8] + xg[:, 8:16]
-            if gs == 32:
-                v = v + (xg[:, 16:24] + xg[:, 24:32])
-            acc = fma(ga.minimum[:, g][None], _lane_sum(v), acc)
+            qsum = q[:, k0:k0 + gs].sum(-1, keepdim=True)                         # exact
+            acc = fma(ga.minimum[:, g][None], d[:, k0 // 32:k0 // 32 + 1] * qsum, acc)
     return acc
 
 

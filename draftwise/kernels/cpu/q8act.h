@@ -5,7 +5,7 @@
 // to int8 with one fp32 scale (llama.cpp's q8_0: d = max|x| / 127, q = round-to-nearest-even(x / d)).
 // The integer dot products of codes and quantized activations are exact; per group
 //     acc = fma(float(sum_k (code - offset) * q), scale * d, acc)
-//     acc = fma(minimum, sum_k x, acc)                  (the minimum times the group's fp32 inputs)
+//     acc = fma(minimum, d * sum_k q, acc)              (the minimum times the group's quantized inputs)
 // in that order for every row, whatever the number of rows in the call, so a row's bits never
 // depend on the rows beside it. The ISA files hold the dot products: avx512_q8act.h (VNNI
 // vpdpbusd, 16 columns per instruction) and avx2_q8act.h (vpmaddubsw, 8 columns).
@@ -65,7 +65,9 @@ struct Activations {
   Aligned<int8_t> q;           // [M, K] int8 codes
   std::vector<float> d;        // [M, K / 32] scale per block of 32 inputs
   std::vector<int32_t> corr;   // [M, G] offset * sum of the group's q (the codes' offset taken out exactly)
-  std::vector<float> xs;       // [M, G] sum of the group's fp32 inputs (the minimum's term)
+  std::vector<float> xs;       // [M, G] d * sum of the group's q (the minimum's term: as llama.cpp's q8_1
+                               // sums, so a weight's whole value meets the same quantized input; the
+                               // exact input sum beside quantized code products has ~3x the error)
   Activations(int M_, int K_, int group_)
       : M(M_), K(K_), group(group_), G(K_ / group_), q(static_cast<size_t>(M_) * K_),
         d(static_cast<size_t>(M_) * (K_ / QBLOCK)), corr(static_cast<size_t>(M_) * G), xs(static_cast<size_t>(M_) * G) {}
@@ -102,18 +104,12 @@ DW_AVX2 inline void quantize_row(const uint16_t* x, int K, int group, int offset
     const float dd = _mm_cvtss_f32(m) / 127.0f;
     d[b] = dd;
     store_q32(v, _mm256_set1_ps(dd > 0.0f ? 1.0f / dd : 0.0f), q + b * QBLOCK);
-    // the fp32 group sums in affine.h's order: (0-7 + 8-15) (+ (16-23 + 24-31)), then the lanes
-    if (group == 32) {
-      xs[b] = affine::hsum8(_mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3])));
-    } else {
-      xs[2 * b] = affine::hsum8(_mm256_add_ps(v[0], v[1]));
-      xs[2 * b + 1] = affine::hsum8(_mm256_add_ps(v[2], v[3]));
-    }
   }
   for (int g = 0; g < K / group; ++g) {
     int32_t s = 0;
     for (int k = 0; k < group; ++k) s += q[g * group + k];
     corr[g] = offset * s;
+    xs[g] = d[g * group / QBLOCK] * static_cast<float>(s);
   }
 }
 
