@@ -227,7 +227,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 1024
     block_size: int = 16
     num_kv_blocks: int | None = None      # None: what kv_cache_memory holds
-    # bytes for the KV pool (target and drafter layers); None: DEFAULT_KV_CACHE_MEMORY
+    # bytes for the KV pool (target and drafter layers); None: default_kv_tokens of the model's KV
     kv_cache_memory: int | None = None
     kv_cache_dtype: str = "auto"          # "auto" (the model's dtype), "float32", "bfloat16", "float16"
     dtype: str = "float32"
@@ -286,16 +286,17 @@ class EngineConfig:
         return self.torch_dtype if self.kv_cache_dtype == "auto" else DTYPES[self.kv_cache_dtype]
 
 
-# the KV pool's default size for an fp32 cache (a 16-bit cache gets half: the same tokens):
-# SmolLM2-135M in fp32 keeps 46 KB per token, so 256 MiB hold ~5,800 tokens (a few full 2,048-token
-# contexts, or 16 requests of ~360 tokens, plus cached prefixes); pass kv_cache_memory
-# (--kv-cache-memory) for more
-DEFAULT_KV_CACHE_MEMORY = 256 << 20
+# The KV pool's default size, counted in the model's own tokens (a model with more layers or KV
+# heads gets more memory, not fewer tokens): a full batch of max_num_seqs requests of
+# DEFAULT_KV_TOKENS_PER_SEQ tokens each, plus one full max_model_len sequence; at most a quarter of
+# the memory available at start-up. SmolLM2-135M (bf16 cache, 23 KB a token) at the defaults
+# (16 x 512 + 2,048 tokens): 236 MB; Qwen2.5-Coder-1.5B (28.7 KB a token): 294 MB. Pass
+# kv_cache_memory (--kv-cache-memory) for another size.
+DEFAULT_KV_TOKENS_PER_SEQ = 512
 
 
-def default_kv_cache_memory(kv_dtype: torch.dtype) -> int:
-    """DEFAULT_KV_CACHE_MEMORY scaled to the cache dtype's element size: the same token capacity."""
-    return DEFAULT_KV_CACHE_MEMORY * torch.empty((), dtype=kv_dtype).element_size() // 4
+def default_kv_tokens(max_num_seqs: int, max_model_len: int) -> int:
+    return max_num_seqs * DEFAULT_KV_TOKENS_PER_SEQ + max_model_len
 
 
 def parse_bytes(text: str | int) -> int:

@@ -63,8 +63,9 @@ class EngineArgs:
     max_num_batched_tokens: int | None = _opt(None, "tokens per step (default: max(max_model_len, 512))")
     block_size: int = _opt(16, "KV-cache block size in tokens")
     num_kv_blocks: int | None = _opt(None, "KV blocks in the pool (default: what --kv-cache-memory holds)")
-    kv_cache_memory: str | None = _opt(None, "memory for the KV cache, e.g. 512MiB (default: 256MiB for an fp32 "
-                                             "cache, 128MiB for 16-bit; at most 4x --max-num-seqs full sequences)")
+    kv_cache_memory: str | None = _opt(None, "memory for the KV cache, e.g. 512MiB (default: the model's KV for "
+                                             "--max-num-seqs x 512 tokens plus one --max-model-len sequence, at most "
+                                             "a quarter of the available memory)")
     kv_cache_dtype: str = _opt("auto", "KV-cache dtype; 16-bit halves its memory (auto: bfloat16 for quantized "
                                        "weights where the CPU attention kernel runs, else the model's dtype)",
                                choices=["auto", "float32", "bfloat16", "float16"])

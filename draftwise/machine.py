@@ -23,6 +23,19 @@ def cpu_flags() -> set[str]:
     return set()
 
 
+def available_memory() -> int | None:
+    """Bytes of memory the system can give without swapping (Linux's MemAvailable), or None where
+    it cannot be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def isa_summary() -> str:
     """The flags that matter for the kernels: AVX2, AVX-512 (BF16, VNNI, ...) and AMX."""
     return ",".join(sorted(f for f in cpu_flags() if f.startswith(("avx512", "amx", "avx2"))))

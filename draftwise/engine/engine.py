@@ -104,10 +104,13 @@ class LLMEngine:
         self._pool = None
 
     def _kv_blocks_for_budget(self, lookahead: int) -> int:
-        """Blocks the KV-memory budget holds (target and drafter layers, the KV dtype): at least one
-        full sequence, at most four times max_num_seqs full sequences (blocks beyond the running
-        sequences keep finished prefixes for the prefix cache; a small model needs no more)."""
-        from draftwise.config import default_kv_cache_memory
+        """Blocks of the KV pool (target and drafter layers, the KV dtype): what kv_cache_memory
+        holds, else the default token count (config.default_kv_tokens) capped at a quarter of the
+        available memory; at least one full sequence, at most four times max_num_seqs full
+        sequences (blocks beyond the running sequences keep finished prefixes for the prefix cache;
+        a small model needs no more)."""
+        from draftwise.config import default_kv_tokens
+        from draftwise.machine import available_memory
         c, m = self.config, self.model_cfg
         specs = [(m.num_key_value_heads, m.head_dim)] * m.num_hidden_layers
         if self.proposer is not None:
@@ -115,14 +118,18 @@ class LLMEngine:
         elem = torch.empty((), dtype=c.kv_torch_dtype).element_size()
         per_block = c.block_size * sum(2 * h * d * elem for h, d in specs)
         blocks_per_seq = math.ceil((c.max_model_len + lookahead + 1) / c.block_size)
-        budget = c.kv_cache_memory or default_kv_cache_memory(c.kv_torch_dtype)
-        fit = budget // per_block
-        if fit < blocks_per_seq:
-            if c.kv_cache_memory is not None:
-                raise ValueError(f"kv_cache_memory={budget} bytes holds {fit} KV blocks of {c.block_size} tokens, "
-                                 f"less than one sequence of max_model_len={c.max_model_len} needs "
+        if c.kv_cache_memory is not None:
+            fit = c.kv_cache_memory // per_block
+            if fit < blocks_per_seq:
+                raise ValueError(f"kv_cache_memory={c.kv_cache_memory} bytes holds {fit} KV blocks of {c.block_size} "
+                                 f"tokens, less than one sequence of max_model_len={c.max_model_len} needs "
                                  f"({blocks_per_seq} blocks, {blocks_per_seq * per_block} bytes)")
-            fit = blocks_per_seq
+        else:
+            fit = math.ceil(default_kv_tokens(c.max_num_seqs, c.max_model_len) / c.block_size)
+            avail = available_memory()
+            if avail is not None:
+                fit = min(fit, avail // 4 // per_block)
+            fit = max(fit, blocks_per_seq)
         return int(min(fit, 4 * blocks_per_seq * c.max_num_seqs))
 
     def _step_costs(self, sizes) -> dict[int, float]:

@@ -303,21 +303,19 @@ def pack_affine(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor 
     else [N/16, K/group, 16] in fp16 where every value is exact in it (the legacy families' own fp16
     numbers), else fp32; minimum empty where the family has none."""
     N, K = codes.shape
-    if bits == 8:
-        centred = codes.to(torch.int16) - offset
-        if int(centred.min()) >= -32 and int(centred.max()) <= 31:
-            codes, bits, offset = (centred + 32).to(torch.uint8), 6, 32
-    if bits <= 6:
-        c = codes.to(torch.uint8).reshape(N // 16, 16, K // 8, 2, 4)                   # [B, j, o, half, i]
-        nib = (c[:, :, :, 0] & 15) | ((c[:, :, :, 1] & 15) << 4)                      # [B, j, o, i]
-        steps = [nib.permute(0, 2, 1, 3).reshape(N // 16, K // 8, 64)]
-        for t in range(bits - 4):                                                      # a mask pair per high bit
-            hi = ((c >> (4 + t)) & 1).permute(0, 2, 3, 1, 4).reshape(N // 16, K // 8, 2, 8, 8)
-            steps.append((hi << torch.arange(8, dtype=torch.uint8)).sum(-1, dtype=torch.uint8).reshape(N // 16, K // 8, 16))
-        packed = torch.cat(steps, -1).contiguous()
+    if bits == 8 and int(codes.min()) - offset >= -32 and int(codes.max()) - offset <= 31:
+        bits, shift = 6, 32 - offset           # stored as code - offset + 32, offset 32
     else:
-        c = (codes.to(torch.int16) - offset).to(torch.int8).reshape(N // 16, 16, K // 4, 4)
-        packed = c.permute(0, 2, 1, 3).reshape(N // 16, K // 8, 128).contiguous()
+        shift = 0
+    width = 128 if bits == 8 else 64 + 16 * (bits - 4)
+    packed = torch.empty(N // 16, K // 8, width, dtype=torch.int8 if bits == 8 else torch.uint8)
+    # in slices of rows: the temporaries of a 150k-row LM head stay a few MB
+    rows = max(16, (PACK_SLICE_BYTES // max(K, 1)) // 16 * 16)
+    for r0 in range(0, N, rows):
+        packed[r0 // 16:(r0 + rows) // 16] = _pack_codes(codes[r0:r0 + rows], bits, offset, shift)
+    if shift:
+        offset = 32
+    elif bits == 8:
         offset = 0
     if factors is not None:
         scale_t, minimum_t = _super_records(factors.d, factors.sc), None
@@ -332,6 +330,25 @@ def pack_affine(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor 
         return t.to(dtype).reshape(N // 16, 16, K // group).transpose(1, 2).contiguous()
     return (packed, per_block(scale), torch.empty(0, dtype=dtype) if minimum is None else per_block(minimum),
             offset)
+
+
+PACK_SLICE_BYTES = 1 << 23      # codes packed at a time
+
+
+def _pack_codes(codes: torch.Tensor, bits: int, offset: int, shift: int) -> torch.Tensor:
+    """Rows [n, K] (n a multiple of 16) of codes -> their dot-layout column blocks."""
+    N, K = codes.shape
+    if bits == 8:
+        c = (codes.to(torch.int16) - offset).to(torch.int8).reshape(N // 16, 16, K // 4, 4)
+        return c.permute(0, 2, 1, 3).reshape(N // 16, K // 8, 128)
+    c = (codes.to(torch.int16) + shift).to(torch.uint8) if shift else codes.to(torch.uint8)
+    c = c.reshape(N // 16, 16, K // 8, 2, 4)                                            # [B, j, o, half, i]
+    nib = (c[:, :, :, 0] & 15) | ((c[:, :, :, 1] & 15) << 4)                           # [B, j, o, i]
+    steps = [nib.permute(0, 2, 1, 3).reshape(N // 16, K // 8, 64)]
+    for t in range(bits - 4):                                                           # a mask pair per high bit
+        hi = ((c >> (4 + t)) & 1).permute(0, 2, 3, 1, 4).reshape(N // 16, K // 8, 2, 8, 8)
+        steps.append((hi << torch.arange(8, dtype=torch.uint8)).sum(-1, dtype=torch.uint8).reshape(N // 16, K // 8, 16))
+    return torch.cat(steps, -1)
 
 
 def _super_records(d: torch.Tensor, q: torch.Tensor) -> torch.Tensor:

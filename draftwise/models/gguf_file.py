@@ -45,11 +45,14 @@ def check_header(path: str) -> tuple[int, int, int]:
 
 
 def open_gguf(path: str):
-    """A `gguf.GGUFReader` of `path` (memory-mapped), or GGUFError saying what is wrong with it."""
-    from gguf import GGMLQuantizationType, GGML_QUANT_SIZES, GGUFReader
+    """The index of `path` (models/gguf_index.py: metadata and tensors, the tensors' data memory-
+    mapped; the part of `gguf.GGUFReader`'s API draftwise reads), or GGUFError saying what is wrong
+    with the file."""
+    from gguf import GGMLQuantizationType, GGML_QUANT_SIZES
+    from draftwise.models.gguf_index import GGUFIndex
     check_header(path)
     try:
-        reader = GGUFReader(path)
+        reader = GGUFIndex(path)
     except Exception as e:  # noqa: BLE001 - the parser's own errors: bad types, offsets, lengths
         raise GGUFError(f"{path}: malformed GGUF ({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''})"
                         ) from None

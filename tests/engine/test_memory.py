@@ -78,10 +78,11 @@ def test_parse_bytes():
 
 @pytest.mark.parametrize("kernel", [True, False])
 def test_auto_kv_dtype_and_default_budget(tiny_llama, kernel, monkeypatch):
-    """"auto": bf16 for quantized weights where the attention kernel reads 16-bit caches (and the
-    default budget halves, the same tokens), the model's dtype otherwise."""
+    """"auto": bf16 for quantized weights where the attention kernel reads 16-bit caches, the
+    model's dtype otherwise; the default pool holds the same tokens either way (max_num_seqs x 512
+    plus one full sequence)."""
     import draftwise.kernels as K
-    from draftwise.config import DEFAULT_KV_CACHE_MEMORY, EngineConfig, default_kv_cache_memory
+    from draftwise.config import EngineConfig, default_kv_tokens
     from draftwise.engine.engine import resolve_kv_cache_dtype
     monkeypatch.setattr(K, "attention_reads_16bit", lambda: kernel)
     path, _ = tiny_llama
@@ -90,10 +91,21 @@ def test_auto_kv_dtype_and_default_budget(tiny_llama, kernel, monkeypatch):
     assert resolve_kv_cache_dtype(EngineConfig(model=path)).kv_torch_dtype == torch.float32
     asked = EngineConfig(model=path, quantization="int4", kv_cache_dtype="float32")
     assert resolve_kv_cache_dtype(asked).kv_torch_dtype == torch.float32
-    assert default_kv_cache_memory(torch.bfloat16) == DEFAULT_KV_CACHE_MEMORY // 2
     llm = LLM(path, block_size=4, max_model_len=2048, max_num_seqs=64, quantization="int4")
     per_block = 4 * 4 * 2 * 2 * 16 * (2 if kernel else 4)     # tokens x layers x K,V x heads x dim x bytes
     assert llm.engine.runner.kv_cache.layer(0)[0].dtype == (torch.bfloat16 if kernel else torch.float32)
-    # 128 MiB of bf16 or 256 MiB of fp32: the same number of blocks
-    assert llm.engine.scheduler.allocator.num_blocks == default_kv_cache_memory(int4.kv_torch_dtype) // per_block \
-        == (256 << 20) // (4 * 4 * 2 * 2 * 16 * 4)
+    assert per_block <= 4096
+    assert llm.engine.scheduler.allocator.num_blocks == default_kv_tokens(64, 2048) // 4 == (64 * 512 + 2048) // 4
+
+
+def test_default_kv_pool_is_capped_by_available_memory(tiny_llama, monkeypatch):
+    import draftwise.machine as machine
+    path, _ = tiny_llama
+    quarter = 400 * 1024
+    monkeypatch.setattr(machine, "available_memory", lambda: 4 * quarter)
+    llm = LLM(path, block_size=4, max_model_len=256, max_num_seqs=64, quantization="int4", kv_cache_dtype="bfloat16")
+    kv = llm.engine.runner.kv_cache
+    blocks = llm.engine.scheduler.allocator.num_blocks
+    pool = sum(t.numel() * t.element_size() for i in range(4) for t in kv.layer(i))
+    assert blocks < (64 * 512 + 256) // 4                 # the default token count did not fit
+    assert pool <= quarter and pool + pool // blocks > quarter

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 
 from draftwise.formats import UnsupportedFormat  # noqa: F401 - a ValueError too
@@ -115,3 +116,43 @@ def test_header_checks_name_the_problem(tiny, tmp_path):
     p.write_bytes(data[:4] + struct.pack("<I", 9) + data[8:])
     with pytest.raises(GGUFError, match="version 9"):
         open_gguf(str(p))
+
+
+def test_index_reads_what_the_gguf_reader_reads(tmp_path):
+    """The fast index (metadata, tensor table, tensor bytes) against gguf's own reader."""
+    from gguf import GGUFReader, GGUFWriter
+    from draftwise.models.gguf_index import GGUFIndex
+    path = str(tmp_path / "m.gguf")
+    write_tiny_llama_gguf(path, {**TYPES, "attn_q": "Q4_K", "ffn_down": "Q6_K"}, hidden=256, layers=1, heads=2,
+                          kv_heads=1, inter=256, vocab=64)
+    # every metadata value kind beside the tensors: strings, string and number arrays, bools, floats
+    extra = str(tmp_path / "kv.gguf")
+    w = GGUFWriter(extra, "llama")
+    w.add_token_list(["<s>", "héllo", "", "a" * 300])
+    w.add_token_scores([0.0, -1.5, 2.25, 3.0])
+    w.add_bool("test.flag", True)
+    w.add_float64("test.f64", 0.1)
+    w.add_int64("test.i64", -(1 << 40))
+    w.add_string("test.s", "ünïcode")
+    w.add_tensor("t", np.arange(64, dtype=np.float32).reshape(4, 16))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    for p in (path, extra):
+        _same_index(GGUFReader(p), GGUFIndex(p))
+
+
+def _same_index(ref, idx):
+    keys = [k for k in ref.fields if not k.startswith("GGUF.")]    # the reader's own header entries
+    assert list(idx.fields) == keys
+    for key in keys:
+        f = ref.fields[key]
+        want = f.contents()
+        got = idx.fields[key].contents()
+        assert got == want or (isinstance(want, float) and abs(got - want) <= 1e-6 * abs(want)), key
+    assert [t.name for t in idx.tensors] == [t.name for t in ref.tensors]
+    for a, b in zip(idx.tensors, ref.tensors):
+        assert a.tensor_type == b.tensor_type and list(a.shape) == list(b.shape) and a.n_bytes == b.n_bytes
+        assert a.data_offset == b.data_offset and a.data.dtype == b.data.dtype and a.data.shape == b.data.shape
+        assert np.array_equal(np.asarray(a.data), np.asarray(b.data))
