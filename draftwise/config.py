@@ -30,13 +30,14 @@ def _rope_fields(d: dict) -> tuple[float, dict | None]:
     return float(theta), scaling
 
 
-HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                    "gemma3": "Gemma3ForCausalLM"}
 
 
 @dataclass
 class ModelConfig:
-    """Architecture of a decoder-only transformer (the Llama family: Llama, Qwen2, Qwen3)."""
-    architecture: str = "llama"          # "llama" | "qwen2" (q/k/v biases) | "qwen3" (q/k norms)
+    """Architecture of a decoder-only transformer (the Llama family: Llama, Qwen2, Qwen3, Gemma 3)."""
+    architecture: str = "llama"          # "llama" | "qwen2" (q/k/v biases) | "qwen3" (q/k norms) | "gemma3"
     vocab_size: int = 32000
     hidden_size: int = 64
     intermediate_size: int = 128
@@ -52,21 +53,31 @@ class ModelConfig:
     attention_bias: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # Gemma 3: interleaved sliding-window layers with their own RoPE base, GELU (tanh) MLPs,
+    # the embedding scaled by sqrt(hidden), a softmax scale from query_pre_attn_scalar
+    sliding_window: int = 0                  # keys a sliding layer sees (itself included); 0: none
+    sliding_layers: tuple[int, ...] = ()     # the sliding-window layers
+    rope_local_theta: float | None = None    # the sliding layers' RoPE base (None: rope_theta)
+    query_pre_attn_scalar: float | None = None   # softmax scale = this ** -0.5 (None: head_dim)
+    hidden_act: str = "silu"                 # "silu" | "gelu_tanh"
     extra: dict = field(default_factory=dict)
 
     @property
     def qk_norm(self) -> bool:
-        return self.architecture == "qwen3"
+        return self.architecture in ("qwen3", "gemma3")
 
     @classmethod
     def from_hf_dict(cls, d: dict) -> "ModelConfig":
         archs = d.get("architectures") or []
         model_type = d.get("model_type", "llama")
-        arch = next((a for a in ("qwen3", "qwen2") if model_type == a or any(a.title() in x for x in archs)), "llama")
+        arch = next((a for a in ("qwen3", "qwen2", "gemma3") if model_type.startswith(a) or any(a.title() in x for x in archs)),
+                    "llama")
         heads = d["num_attention_heads"]
         eos = d.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         theta, scaling = _rope_fields(d)
+        if arch == "gemma3" and (d.get("rope_parameters") or {}).get("full_attention"):
+            theta, scaling = _rope_fields({"rope_parameters": d["rope_parameters"]["full_attention"]})
         return cls(
             architecture=arch,
             vocab_size=d["vocab_size"],
@@ -84,6 +95,7 @@ class ModelConfig:
             attention_bias=d.get("attention_bias", arch == "qwen2"),     # Qwen2 always has q/k/v biases
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            **(_gemma3_fields(d) if arch == "gemma3" else {}),
             extra=d,
         )
 
@@ -103,6 +115,21 @@ class ModelConfig:
             "eos_token_id": list(self.eos_token_ids) if len(self.eos_token_ids) != 1 else self.eos_token_ids[0],
         })
         return d
+
+
+def _gemma3_fields(d: dict) -> dict:
+    """Gemma 3's own fields from a Hugging Face config (layer_types, or the older pattern)."""
+    n = d["num_hidden_layers"]
+    types = d.get("layer_types")
+    if not types:
+        pattern = d.get("sliding_window_pattern", 6)
+        types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(n)]
+    params = d.get("rope_parameters") or {}
+    local = d.get("rope_local_base_freq") or (params.get("sliding_attention") or {}).get("rope_theta") or 10000.0
+    return dict(sliding_window=int(d.get("sliding_window") or 0),
+                sliding_layers=tuple(i for i, t in enumerate(types) if t == "sliding_attention"),
+                rope_local_theta=float(local), query_pre_attn_scalar=d.get("query_pre_attn_scalar"),
+                hidden_act="gelu_tanh")
 
 
 @dataclass

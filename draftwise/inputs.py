@@ -23,7 +23,13 @@ def tokenize_prompt(tokenizer, prompt) -> tuple[str | None, list[int]]:
         raise ValueError(f"a prompt must be a string or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}")
     if tokenizer is None:
         raise ValueError("this model has no tokenizer: pass {'prompt_token_ids': [...]}")
-    return prompt, tokenizer(prompt, add_special_tokens=False).input_ids
+    # the special tokens the model's tokenizer adds (Gemma's BOS; SmolLM2 and Qwen add none), as
+    # llama.cpp and vLLM's completions do; a chat template that writes BOS itself is not doubled
+    ids = tokenizer(prompt, add_special_tokens=True).input_ids
+    bos = getattr(tokenizer, "bos_token_id", None)
+    if bos is not None and len(ids) > 1 and ids[0] == bos and ids[1] == bos:
+        ids = ids[1:]
+    return prompt, ids
 
 
 def apply_chat_template(tokenizer, messages, add_generation_prompt: bool = True) -> str:

@@ -22,11 +22,19 @@ import torch
 
 
 def heldout_token_ids(tokenizer, conversations: int, min_tokens: int, context: int) -> list[list[int]]:
-    from draftwise.training.data import iter_examples
+    """Held-out ShareGPT conversations as token ids: through the chat template, or for a base
+    model without one (Gemma 3 270M) as plain text, the turns one paragraph each, with the special
+    tokens the tokenizer adds (its BOS)."""
+    from draftwise.training.data import is_heldout, iter_examples, iter_sharegpt, to_messages
+    if getattr(tokenizer, "chat_template", None):
+        seqs = (list(ex.input_ids) for ex in iter_examples(tokenizer, None, "heldout", context))
+    else:
+        msgs = (to_messages(r) for r in iter_sharegpt(None) if is_heldout(r.get("id", ""), 0.02))
+        seqs = (tokenizer("\n\n".join(m["content"] for m in ms)).input_ids[:context] for ms in msgs if ms)
     out, total = [], 0
-    for ex in iter_examples(tokenizer, None, "heldout", context):
-        out.append(list(ex.input_ids))
-        total += len(ex.input_ids)
+    for ids in seqs:
+        out.append(ids)
+        total += len(ids)
         if len(out) >= conversations and total >= min_tokens:
             break
     return out

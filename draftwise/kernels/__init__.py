@@ -230,12 +230,15 @@ def attention_kernel_fits(head_dim: int, groups: int, k_cache: torch.Tensor) -> 
 
 
 def row_plan_args(plan):
-    """The kernel's arguments for a row plan, built once per step (every layer shares the plan)."""
-    cached = _state.get("plan")
-    if cached is not None and cached[0] is plan:
-        return cached[1]
+    """The kernel's arguments for a row plan, built once per step (every layer of one kind shares
+    the plan: the full one, and a sliding-window layer's)."""
+    cached = _state.setdefault("plans", [])
+    for p, args in cached:
+        if p is plan:
+            return args
     args = _plan_args(plan)
-    _state["plan"] = (plan, args)
+    cached.append((plan, args))
+    del cached[:-4]
     return args
 
 

@@ -17,7 +17,7 @@ The metadata is built once per forward and shared by every layer.
 from __future__ import annotations
 
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -86,6 +86,7 @@ class AttentionMetadata:
     row_invariant: bool = False
     groups: list[AttentionGroup] | None = None   # derived by finalize()
     row_plan: list | None = None                 # row-invariant queries (finalize)
+    window_plans: dict = field(default_factory=dict)   # sliding window -> its row plan (window_plan)
 
     @property
     def num_reqs(self) -> int:
@@ -143,6 +144,28 @@ class AttentionMetadata:
                     plan.append((starts[r] + i, [keys.numel()], keys))
             else:
                 plan.append((starts[r], list(range(s - q + 1, s + 1)), slots))
+        return plan
+
+    def window_plan(self, window: int) -> list:
+        """The row plan of a sliding-window layer: each row attends alone over the last `window`
+        of its keys (a row's keys are in position order - the context, then its own causal or
+        tree-ancestor entries - so the window is the tail of its list). Built once per step and
+        window, shared by every layer of that window."""
+        plan = self.window_plans.get(window)
+        if plan is not None:
+            return plan
+        if self.row_plan is None and self.mask_kind != CAUSAL:
+            raise ValueError("sliding-window attention runs causal and tree-verification steps only")
+        base = self.row_plan if self.row_plan is not None else self._row_plan(list(range(len(self.query_lens))))
+        plan = []
+        for start, seq_lens, slots in base:
+            if max(seq_lens) <= window:
+                plan.append((start, seq_lens, slots))
+                continue
+            for i, n in enumerate(seq_lens):
+                k0 = max(0, n - window)
+                plan.append((start + i, [n - k0], slots[k0:n]))
+        self.window_plans[window] = plan
         return plan
 
     def _group(self, reqs: list[int], token_rows) -> AttentionGroup:
@@ -221,17 +244,22 @@ def _build_mask(kind, q_lens, s_lens, max_q, max_kv, tree_mask, tree_kv_lens):
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                    meta: AttentionMetadata, scale: float, window: int = 0) -> torch.Tensor:
     """q: [T, H, D]; k, v: [T, Hkv, D]; caches: [num_slots, Hkv, D]. Returns [T, H, D]."""
     k_cache.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
     v_cache.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
-    return attend_cached(q, k_cache, v_cache, meta, scale)
+    return attend_cached(q, k_cache, v_cache, meta, scale, window)
 
 
 def attend_cached(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                  scale: float) -> torch.Tensor:
+                  scale: float, window: int = 0) -> torch.Tensor:
     """Attention of q over the caches, the step's own K/V already written (paged_attention after
-    its write; the fused int4 layer writes K/V itself). The output has q's dtype."""
+    its write; the fused int4 layer writes K/V itself). The output has q's dtype. `window` > 0: a
+    sliding-window layer, each query seeing only its last `window` keys (itself included)."""
+    if window and max(meta.seq_lens, default=0) > window:
+        out = torch.empty_like(q)
+        _attend_rows(q, k_cache, v_cache, meta.window_plan(window), scale, out)
+        return out
     if len(meta.groups) == 1 and not meta.row_plan:
         return _attend_group(q, k_cache, v_cache, meta.groups[0], scale).to(q.dtype)
     out = torch.empty_like(q)
@@ -333,31 +361,32 @@ def forward_context(meta: AttentionMetadata, kv_cache):
 
 @torch.library.custom_op("draftwise::paged_attention", mutates_args=())
 def _paged_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_idx: int,
-                        scale: float) -> torch.Tensor:
+                        scale: float, window: int) -> torch.Tensor:
     if not _context:
         raise RuntimeError("paged attention called outside a forward_context")
     meta, kv_cache = _context[-1]
     n = meta.slot_mapping.shape[0]          # real tokens; rows past n are bucket padding
     k_cache, v_cache = kv_cache.layer(layer_idx)
-    out = paged_attention(q[:n], k[:n], v[:n], k_cache, v_cache, meta, scale)
+    out = paged_attention(q[:n], k[:n], v[:n], k_cache, v_cache, meta, scale, window)
     if n == q.shape[0]:
         return out.contiguous()
     return torch.cat([out, out.new_zeros(q.shape[0] - n, *q.shape[1:])], 0)
 
 
 @_paged_attention_op.register_fake
-def _(q, k, v, layer_idx, scale):
+def _(q, k, v, layer_idx, scale, window):
     return torch.empty_like(q)
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_idx: int, scale: float,
-           meta: AttentionMetadata | None, kv_cache) -> torch.Tensor:
+           meta: AttentionMetadata | None, kv_cache, window: int = 0) -> torch.Tensor:
     """Attention for layer `layer_idx`: direct in eager mode (metadata passed in), through the
-    custom op when the metadata lives in the forward context (compiled graphs pass None)."""
+    custom op when the metadata lives in the forward context (compiled graphs pass None).
+    `window` > 0: a sliding-window layer (attend_cached)."""
     if meta is not None:
         k_cache, v_cache = kv_cache.layer(layer_idx)
-        return paged_attention(q, k, v, k_cache, v_cache, meta, scale)
-    return _paged_attention_op(q, k, v, layer_idx, scale)
+        return paged_attention(q, k, v, k_cache, v_cache, meta, scale, window)
+    return _paged_attention_op(q, k, v, layer_idx, scale, window)
 
 
 def slots_for_positions(block_tables: torch.Tensor, req_index: torch.Tensor, positions: torch.Tensor,

@@ -33,6 +33,16 @@ _BLOCK_MAP = {
 }
 
 
+# Gemma 3 names its four per-layer norms apart ("ffn_norm" is the MLP's pre-norm there)
+_GEMMA3_NORMS = {"post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
+                 "post_ffw_norm": "post_feedforward_layernorm"}
+
+
+def block_map(arch: str) -> dict[str, str]:
+    """GGUF per-layer tensor base name -> the model's module path, for architecture `arch`."""
+    return {**_BLOCK_MAP, **_GEMMA3_NORMS} if arch.startswith("gemma3") else _BLOCK_MAP
+
+
 def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
     """Inverse of llama.cpp's `permute(weights, n_head)` on a [rows, cols] projection."""
     rows = w.shape[0]
@@ -93,12 +103,23 @@ def gguf_config(reader) -> dict:
         "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
         "torch_dtype": "float32",
     }
+    eot = _field(reader, "tokenizer.ggml.eot_token_id")
+    if eot is not None and eot != cfg["eos_token_id"] and cfg["eos_token_id"] is not None:
+        cfg["eos_token_id"] = [cfg["eos_token_id"], eot]          # every end-of-turn token stops
+    if arch == "gemma3":
+        # llama.cpp's Gemma 3: every 6th layer global, the others a sliding window with RoPE base
+        # 10,000; softmax scale head_dim ** -0.5; norms stored with Gemma's +1 already added
+        cfg.update({"model_type": "gemma3_text", "sliding_window": n("attention.sliding_window", 512, hi=1 << 26),
+                    "sliding_window_pattern": 6, "rope_local_base_freq": 10000.0,
+                    "query_pre_attn_scalar": cfg["head_dim"], "hidden_activation": "gelu_pytorch_tanh",
+                    "norms_include_one": True})
     return cfg
 
 
 def iter_gguf_tensors(reader, cfg: dict):
     from gguf.quants import dequantize
     n_head, n_kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    names = block_map(cfg["model_type"])
     for t in reader.tensors:
         name = t.name
         if name in _NAME_MAP:
@@ -106,9 +127,9 @@ def iter_gguf_tensors(reader, cfg: dict):
         elif name.startswith("blk."):
             _, idx, rest = name.split(".", 2)
             base, suffix = rest.rsplit(".", 1)
-            if base not in _BLOCK_MAP:
+            if base not in names:
                 continue
-            hf = f"model.layers.{idx}.{_BLOCK_MAP[base]}.{suffix}"
+            hf = f"model.layers.{idx}.{names[base]}.{suffix}"
         else:
             continue
         arr = dequantize(t.data, t.tensor_type).astype(np.float32)

@@ -172,14 +172,19 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        self.rotary = RotaryEmbedding(cfg.head_dim, max_position or cfg.max_position_embeddings,
-                                      cfg.rope_theta, cfg.rope_scaling)
+        self.make_rotary(max_position or cfg.max_position_embeddings)
         self.aux_hidden_state_layers: tuple[int, ...] = ()
         self.num_local_kv_heads = cfg.num_key_value_heads   # the KV heads this process stores
         # what forward runs: the eager methods, or compiled graphs of them that the model runner
         # installs here (worker/compiled_graphs.py)
         self.layers_step = self.run_layers
         self.logits_step = self.compute_logits
+
+    def make_rotary(self, max_position: int) -> None:
+        """The RoPE tables for positions below `max_position` (a family with several bases builds
+        each)."""
+        cfg = self.config
+        self.rotary = RotaryEmbedding(cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling)
 
     # --- SupportsEagle3 -------------------------------------------------------------------------
     def get_eagle3_aux_hidden_state_layers(self) -> tuple[int, ...]:

