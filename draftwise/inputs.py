@@ -39,3 +39,13 @@ def apply_chat_template(tokenizer, messages, add_generation_prompt: bool = True)
     if not isinstance(messages, list) or not messages:
         raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts")
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+
+def conversation_prompt(tokenizer, messages) -> str:
+    """A conversation as the model takes it: through its chat template, or for a base model
+    without one (Gemma 3 270M) as plain text, one paragraph per turn, the answer to continue."""
+    if tokenizer is not None and getattr(tokenizer, "chat_template", None):
+        return apply_chat_template(tokenizer, messages)
+    if not isinstance(messages, list) or not messages:
+        raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts")
+    return "\n\n".join(str(m.get("content", "")) for m in messages) + "\n\n"

@@ -84,12 +84,21 @@ class LlamaCppPeer:
         self.llm = Llama(model_path=path, n_ctx=4096, n_threads=n, n_threads_batch=n, verbose=False,
                          logits_all=prompt_lookup, **kw)
         self.max_tokens = max_tokens
+        # a base model (no chat template in the file) continues plain text, as the engine's methods
+        self.chat = "tokenizer.chat_template" in self.llm.metadata
 
     def generate(self, messages):
+        from draftwise.inputs import conversation_prompt
         t0, first, parts = time.perf_counter(), None, []
-        for chunk in self.llm.create_chat_completion(messages=messages, max_tokens=self.max_tokens,
-                                                     temperature=0.0, stream=True):
-            piece = chunk["choices"][0]["delta"].get("content")
+        if self.chat:
+            stream = self.llm.create_chat_completion(messages=messages, max_tokens=self.max_tokens, temperature=0.0,
+                                                     stream=True)
+        else:
+            stream = self.llm.create_completion(conversation_prompt(None, messages), max_tokens=self.max_tokens,
+                                                temperature=0.0, stream=True)
+        for chunk in stream:
+            choice = chunk["choices"][0]
+            piece = choice["delta"].get("content") if "delta" in choice else choice.get("text")
             if piece:
                 first = first or time.perf_counter()
                 parts.append(piece)

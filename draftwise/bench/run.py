@@ -13,6 +13,7 @@ import time
 
 import torch
 
+from draftwise.inputs import conversation_prompt
 from draftwise.models.loader import DEFAULT_MODEL
 
 PRESETS = {
@@ -170,7 +171,7 @@ def run_engine_method(name, spec, args, convs, bar=None, llm=None, quantization=
 
     def gen(hists):
         nonlocal n_tokens, gen_time
-        prompts = [llm.apply_chat_template(h) for h in hists]
+        prompts = [conversation_prompt(llm.tokenizer, h) for h in hists]
         params = [_constrained(sp, h) for h in hists]
         t0 = time.perf_counter()
         outs = llm.generate(prompts, params)

@@ -136,3 +136,22 @@ def test_speculation_equals_plain_decoding_under_load(tmp_path, method):
                speculative_config={"method": method, "num_speculative_tokens": 4})
     assert _tokens(spec, prompts, n=24) == plain
     assert spec.get_metrics()["spec_decode"]["num_drafts"] > 0
+
+
+def test_gemma3_windows_stay_exact_under_speculation_chunking_and_prefix_hits(tmp_path):
+    """Gemma 3's sliding layers (a window of 8 keys here) read only their window while the cache
+    keeps every key: n-gram speculation (draft rows rolled back), prompts chunked by 16 tokens,
+    prefix-cache hits and batches of 16 all give plain decoding's tokens."""
+    path = write_tiny_llama_gguf(str(tmp_path / "g.gguf"), MIXES["q4_k_m"], arch="gemma3", layers=6, hidden=256,
+                                 heads=4, kv_heads=2, inter=512, vocab=512, head_dim=64, seed=3)
+    g = torch.Generator().manual_seed(9)
+    prompts = [(torch.randint(0, 512, (int(n),), generator=g).tolist() * 5)[:50]
+               for n in torch.randint(4, 10, (16,), generator=g)]
+    alone = [_tokens(LLM(model=path, max_model_len=256, speculative_config=None), [p], n=20)[0] for p in prompts[:3]]
+    plain = _tokens(LLM(model=path, max_model_len=256, max_num_seqs=16, speculative_config=None), prompts, n=20)
+    assert plain[:3] == alone
+    chunked = LLM(model=path, max_model_len=256, max_num_seqs=16, max_num_batched_tokens=16,
+                  speculative_config={"method": "ngram", "num_speculative_tokens": 4})
+    assert _tokens(chunked, prompts, n=20) == plain
+    assert _tokens(chunked, prompts, n=20) == plain            # again: every prompt a prefix-cache hit
+    assert chunked.get_metrics()["spec_decode"]["num_drafts"] > 0
