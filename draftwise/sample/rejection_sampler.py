@@ -32,6 +32,8 @@ def greedy_rejection_sample(target_argmax: torch.Tensor, draft_token_ids: torch.
     draft_token_ids: [R, K] (padding ignored). Accept drafts while they equal the target argmax; the
     first mismatch emits the target's token; if all match, the bonus row's token is appended."""
     R, K = draft_token_ids.shape
+    if K == 0:                          # no drafts in the step (plain decoding): each row is a request's
+        return target_argmax.reshape(R, 1)
     tgt = _per_request(target_argmax, num_draft, K)                     # [R, K+1]
     cols = torch.arange(K, device=tgt.device)
     match = (draft_token_ids == tgt[:, :K]) & (cols[None, :] < num_draft[:, None])
