@@ -16,7 +16,9 @@ holding its parts and bias). Every row is computed alone in a fixed order, as th
 row-invariant attention are, so a token's values do not depend on how many rows share the step -
 decode, verification, drafting and prefill chunks of any length alike: speculation stays bit-exact
 with plain decoding, and a prompt's K/V do not depend on how it was chunked. The RoPE cos / sin rows
-of a step are looked up once for all layers. Qwen3's q/k norms keep the eager path."""
+of a step are looked up once for all layers. Families beyond Llama's shape pass their extra parts
+(`LayerExtras`): q/k norms (Qwen3, Gemma 3), norms on the attention and MLP outputs, GELU, and
+Gemma 3's sliding-window layers (their own RoPE rows and row plan)."""
 from __future__ import annotations
 
 import contextlib
@@ -27,11 +29,16 @@ import torch
 
 @dataclass
 class FusedLayerWeights:
-    """A decoder layer's linears as the kernels' `Linear` objects (sharing their modules' tensors)."""
+    """A decoder layer's linears as the kernels' `Linear` objects (sharing their modules' tensors),
+    its two main norms, and its extra parts (`LayerExtras`) and sliding window (0: none)."""
     qkv: object
     o: object
     gate_up: object
     down: object
+    in_norm: object = None
+    mlp_norm: object = None
+    extras: object = None
+    window: int = 0
 
 
 def kernel_linear(mod):
@@ -52,15 +59,25 @@ def kernel_linear(mod):
 
 
 def fusable(layer) -> FusedLayerWeights | None:
-    """The kernel linears of `layer` (a Llama-family DecoderLayer) when all its linears run on
-    draftwise's kernels and it has no q/k norm; else None."""
+    """The kernel linears, norms and extra parts of `layer` (a Llama-family or Gemma 3 decoder layer)
+    when all its linears run on draftwise's kernels; else None."""
+    from draftwise.kernels import load
     attn, mlp = layer.self_attn, layer.mlp
-    if attn.qk_norm or attn.head_dim % 2:
+    if attn.head_dim % 2:
         return None
     lins = [kernel_linear(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
     if any(lin is None for lin in lins):
         return None
-    return FusedLayerWeights(*lins)
+    none = torch.empty(0)
+    gemma = hasattr(layer, "pre_feedforward_layernorm")
+    weight = lambda norm: norm.weight.detach().float().contiguous()  # noqa: E731
+    extras = load().LayerExtras(
+        weight(attn.q_norm) if attn.qk_norm else none, weight(attn.k_norm) if attn.qk_norm else none,
+        weight(layer.post_attention_layernorm) if gemma else none,
+        weight(layer.post_feedforward_layernorm) if gemma else none, gemma)
+    mlp_norm = layer.pre_feedforward_layernorm if gemma else layer.post_attention_layernorm
+    return FusedLayerWeights(*lins, weight(layer.input_layernorm), weight(mlp_norm), extras,
+                             getattr(attn, "window", 0))
 
 
 def enable_fused_layers(model) -> int:
@@ -78,12 +95,17 @@ def enable_fused_layers(model) -> int:
 
 
 def fused_rope_rows(model, positions: torch.Tensor, x: torch.Tensor, meta):
-    """(cos, sin) rows [T, D] for the step when its layers run fused (eager steps on the CPU), else
-    None."""
+    """(cos, sin, cos_local, sin_local) rows [T, D] for the step when its layers run fused (eager
+    steps on the CPU), else None; the local pair is the sliding-window layers' (Gemma 3), else the
+    same tables."""
     w = getattr(model.layers[0], "fused", None) if len(model.layers) else None
     if w is None or meta is None or x.device.type != "cpu" or x.dtype != torch.float32:
         return None
-    return model.rotary.cos[positions].contiguous(), model.rotary.sin[positions].contiguous()
+    cos, sin = model.rotary.cos[positions].contiguous(), model.rotary.sin[positions].contiguous()
+    local = getattr(model, "rotary_local", None)
+    if local is None:
+        return cos, sin, cos, sin
+    return cos, sin, local.cos[positions].contiguous(), local.sin[positions].contiguous()
 
 
 def fused_layer_forward(layer, x: torch.Tensor, rope_rows, meta, kv_cache) -> torch.Tensor:
@@ -92,16 +114,17 @@ def fused_layer_forward(layer, x: torch.Tensor, rope_rows, meta, kv_cache) -> to
     from draftwise.layers.attention import attend_cached
     mod, w, attn = load(), layer.fused, layer.self_attn
     T, D = x.shape[0], attn.head_dim
-    cos, sin = rope_rows
+    cos, sin = rope_rows[2:] if w.window else rope_rows[:2]
     k_cache, v_cache = kv_cache.layer(attn.layer_idx)
     x = x.contiguous()
+    eps = layer.input_layernorm.eps
     with _label("draftwise::attn_in"):
-        q = mod.attn_in(x, layer.input_layernorm.weight, layer.input_layernorm.eps, w.qkv, cos, sin,
-                        attn.num_heads, attn.num_kv_heads, D, meta.slot_mapping, k_cache, v_cache)
-    o = attend_cached(q.view(T, attn.num_heads, D), k_cache, v_cache, meta, attn.scale).reshape(T, attn.q_size)
+        q = mod.attn_in(x, w.in_norm, eps, w.qkv, cos, sin, attn.num_heads, attn.num_kv_heads, D, meta.slot_mapping,
+                        k_cache, v_cache, w.extras)
+    o = attend_cached(q.view(T, attn.num_heads, D), k_cache, v_cache, meta, attn.scale,
+                      w.window).reshape(T, attn.q_size)
     with _label("draftwise::attn_out_mlp"):
-        return mod.attn_out_mlp(x, o.contiguous(), w.o, layer.post_attention_layernorm.weight,
-                                layer.post_attention_layernorm.eps, w.gate_up, w.down)
+        return mod.attn_out_mlp(x, o.contiguous(), w.o, w.mlp_norm, eps, w.gate_up, w.down, w.extras)
 
 
 def fused_stack_forward(model, x: torch.Tensor, rope_rows, meta, kv_cache, capture: tuple[int, ...]):
@@ -109,7 +132,7 @@ def fused_stack_forward(model, x: torch.Tensor, rope_rows, meta, kv_cache, captu
     tree verification: meta.row_plan covers the step) - the per-layer path's calls in the same
     order, without ~40 us of Python per layer. Returns (x after the stack, {layer: x before it} for
     `capture`), or None where the step needs the per-layer path (DFlash blocks, tree drafting)."""
-    from draftwise.kernels import row_plan_args
+    from draftwise.kernels import load, row_plan_args
     if meta.groups or not meta.row_plan:
         return None
     args = row_plan_args(meta.row_plan)
@@ -118,9 +141,11 @@ def fused_stack_forward(model, x: torch.Tensor, rope_rows, meta, kv_cache, captu
     stack = _stack(model, kv_cache)
     if stack is None:
         return None
-    cos, sin = rope_rows
+    windows = {layer.fused.window for layer in model.layers} - {0}
+    plan = load().RowPlan(*args)
+    local = plan if not windows else load().RowPlan(*row_plan_args(meta.window_plan(windows.pop())))
     order = sorted(capture)
-    outs = stack.run(x.contiguous(), cos, sin, meta.slot_mapping, *args, order)
+    outs = stack.run(x.contiguous(), *rope_rows, meta.slot_mapping, plan, local, order)
     return outs[0], dict(zip(order, outs[1:]))
 
 
@@ -140,8 +165,9 @@ def _stack(model, kv_cache):
         w = [layer.fused for layer in layers]
         stack = load().FusedStack(
             [f.qkv for f in w], [f.o for f in w], [f.gate_up for f in w], [f.down for f in w],
-            [layer.input_layernorm.weight for layer in layers], [layer.post_attention_layernorm.weight for layer in layers],
+            [f.in_norm for f in w], [f.mlp_norm for f in w],
             [kv_cache.layer(i)[0] for i in range(len(layers))], [kv_cache.layer(i)[1] for i in range(len(layers))],
+            [f.extras for f in w], [bool(f.window) for f in w],
             float(layers[0].input_layernorm.eps), attn.num_heads, attn.num_kv_heads, attn.head_dim, float(attn.scale))
     model._fused_stack = (key, stack)
     return stack

@@ -11,7 +11,9 @@ Gemma's RMSNorm multiplies by (1 + w); GGUF files store w + 1 already (llama.cpp
 it), Hugging Face checkpoints store w, so `load_weights` adds 1 unless the configuration says the
 norms include it (`norms_include_one`, set for GGUF files). Every layer keeps its full K/V in the
 paged cache (the prefix cache, draft roll-back and trees work unchanged); a sliding layer only
-reads its window (layers/attention.py: AttentionMetadata.window_plan)."""
+reads its window (layers/attention.py: AttentionMetadata.window_plan). On draftwise's kernels the
+layers run fused like Llama's (layers/fused_layer.py), their extra norms and GELU inside the C++
+layer."""
 from __future__ import annotations
 
 import torch
@@ -20,6 +22,7 @@ from torch import nn
 
 from draftwise.config import ModelConfig
 from draftwise.layers.attention import attend
+from draftwise.layers.fused_layer import fused_layer_forward, fused_rope_rows, fused_stack_forward
 from draftwise.layers.norm import RMSNorm
 from draftwise.layers.rotary import RotaryEmbedding
 from draftwise.models.llama import MLP, Attention, LlamaForCausalLM, load_stacked_weights, require_all_loaded
@@ -59,9 +62,11 @@ class Gemma3DecoderLayer(nn.Module):
         self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps)
         self.mlp = GeluMLP(cfg.hidden_size, cfg.intermediate_size)
         self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps)
-        self.fused = None                 # no fused kernel path for this layer shape yet
+        self.fused = None          # FusedLayerWeights when the layer runs fused (layers/fused_layer.py)
 
     def forward(self, x, positions, meta, kv_cache, rotaries, rope_rows=None):
+        if rope_rows is not None:                    # on draftwise's kernels: two C++ calls
+            return fused_layer_forward(self, x, rope_rows, meta, kv_cache)
         rotary = rotaries[1] if self.self_attn.sliding else rotaries[0]
         x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), positions, meta, kv_cache,
                                                              rotary))
@@ -87,10 +92,15 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         h = h * torch.tensor(self.embed_scale, dtype=h.dtype)
         captured, wanted = {}, self.aux_hidden_state_layers
         rotaries = (self.rotary, self.rotary_local)
-        for i, layer in enumerate(self.layers):
-            if i in wanted:
-                captured[i] = h
-            h = layer(h, positions, meta, kv_cache, rotaries)
+        rope_rows = fused_rope_rows(self, positions, h, meta)
+        stacked = None if rope_rows is None else fused_stack_forward(self, h, rope_rows, meta, kv_cache, wanted)
+        if stacked is not None:                  # every layer in one C++ call (decode / verification)
+            h, captured = stacked
+        else:
+            for i, layer in enumerate(self.layers):
+                if i in wanted:
+                    captured[i] = h
+                h = layer(h, positions, meta, kv_cache, rotaries, rope_rows)
         aux_t = torch.cat([captured[i] for i in wanted], dim=-1) if wanted else None
         return self.norm(h), aux_t
 

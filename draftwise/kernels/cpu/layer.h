@@ -59,6 +59,32 @@ inline void rms_norm_rows_bf16(const float* x, const float* w, int M, int H, flo
   for_rows(M, [&](int64_t r) { rms_norm_row_bf16(x, w, static_cast<int>(r), H, eps, out); });
 }
 
+// RMSNorm of n fp32 values in place, in fp32 (q/k norms per head, Gemma's post-norms): x / rms(x) * w
+inline void rms_norm_fp32(float* x, const float* w, int n, float eps) {
+  float ss = 0.0f;
+  for (int i = 0; i < n; ++i) ss += x[i] * x[i];
+  const float inv = 1.0f / std::sqrt(ss / static_cast<float>(n) + eps);
+  for (int i = 0; i < n; ++i) x[i] = w[i] * (x[i] * inv);
+}
+
+// out = bf16(gelu_tanh(gate) * up) for one row of gate|up [2 I] (Gemma's MLP)
+inline void gelu_mul_row(const float* gu, int I, uint16_t* out) {
+  constexpr float k = 0.7978845608028654f;      // sqrt(2 / pi)
+  for (int i = 0; i < I; ++i) {
+    const float g = gu[i];
+    const float gelu = 0.5f * g * (1.0f + std::tanh(k * (g + 0.044715f * g * g * g)));
+    out[i] = to_bf16(gelu * gu[I + i]);
+  }
+}
+
+// the optional parts of a layer beyond Llama's: q/k norms (Qwen3, Gemma 3), a norm on the attention
+// output and on the MLP output before their residual adds, GELU instead of SiLU (Gemma 3); an empty
+// tensor is a part the layer does not have
+struct LayerExtras {
+  torch::Tensor q_norm, k_norm, post_attn_norm, post_ffn_norm;
+  bool gelu = false;
+};
+
 // neox-layout rotary embedding of `nh` heads of one row in place: x[i] * cos[i] + rot(x)[i] * sin[i]
 inline void rope_row(float* x, int nh, int D, const float* cos, const float* sin) {
   const int half = D / 2;
@@ -97,7 +123,8 @@ inline void write_cache_rows(const float* src, int M, int64_t width, const int64
 // slots [M] int64; caches [S, nkv, D] (fp32 / bf16 / fp16). Returns q [M, nq*D] fp32.
 inline torch::Tensor attn_in(const torch::Tensor& x, const torch::Tensor& norm_w, double eps, const Linear& qkv_proj,
                              const torch::Tensor& cos, const torch::Tensor& sin, int64_t nq, int64_t nkv, int64_t D,
-                             const torch::Tensor& slots, torch::Tensor k_cache, torch::Tensor v_cache) {
+                             const torch::Tensor& slots, torch::Tensor k_cache, torch::Tensor v_cache,
+                             const LayerExtras& ex) {
   TORCH_CHECK(slots.scalar_type() == torch::kLong && slots.is_contiguous() && slots.size(0) == x.size(0),
               "slots: contiguous int64 [M]");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.size(1) * k_cache.size(2) == nkv * D &&
@@ -122,6 +149,10 @@ inline torch::Tensor attn_in(const torch::Tensor& x, const torch::Tensor& norm_w
     std::memcpy(v.data() + r * nkv * D, row + (nq + nkv) * D, sizeof(float) * nkv * D);
     const float* c = cos.data_ptr<float>() + r * D;
     const float* s = sin.data_ptr<float>() + r * D;
+    if (ex.q_norm.numel()) {                      // per head, before RoPE
+      for (int64_t h = 0; h < nq; ++h) rms_norm_fp32(qp + r * nq * D + h * D, ex.q_norm.data_ptr<float>(), D, eps);
+      for (int64_t h = 0; h < nkv; ++h) rms_norm_fp32(k.data() + (r * nkv + h) * D, ex.k_norm.data_ptr<float>(), D, eps);
+    }
     rope_row(qp + r * nq * D, nq, D, c, s);
     rope_row(k.data() + r * nkv * D, nkv, D, c, s);
   });
@@ -130,10 +161,11 @@ inline torch::Tensor attn_in(const torch::Tensor& x, const torch::Tensor& norm_w
   return q;
 }
 
-// The rest of the layer: x1 = x + o_proj(attn); h = RMSNorm(x1); x2 = x1 + down(silu(gate) * up).
+// The rest of the layer: x1 = x + o_proj(attn); h = RMSNorm(x1); x2 = x1 + down(silu(gate) * up)
+// (Gemma 3: x1 = x + norm(o_proj(attn)), GELU, x2 = x1 + norm(down(...))).
 inline torch::Tensor attn_out_mlp(const torch::Tensor& x, const torch::Tensor& attn, const Linear& o_proj,
                                   const torch::Tensor& norm_w, double eps, const Linear& gate_up_proj,
-                                  const Linear& down_proj) {
+                                  const Linear& down_proj, const LayerExtras& ex) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous(), "x: contiguous fp32 [M, H]");
   TORCH_CHECK((attn.scalar_type() == torch::kFloat || attn.scalar_type() == torch::kBFloat16) && attn.is_contiguous(),
               "attn: contiguous fp32 or bf16");
@@ -149,7 +181,9 @@ inline torch::Tensor attn_out_mlp(const torch::Tensor& x, const torch::Tensor& a
   auto x1 = o_proj(a16);                                             // o_proj(attn), then + x
   float* x1p = x1.data_ptr<float>();
   const float* xp = x.data_ptr<float>();
+  const float feps = static_cast<float>(eps);
   for_rows(M, [&](int64_t r) {
+    if (ex.post_attn_norm.numel()) rms_norm_fp32(x1p + r * H, ex.post_attn_norm.data_ptr<float>(), H, feps);
     for (int64_t i = 0; i < H; ++i) x1p[r * H + i] = xp[r * H + i] + x1p[r * H + i];
   });
   auto h = at::empty({M, H}, x.options().dtype(torch::kBFloat16));
@@ -160,10 +194,14 @@ inline torch::Tensor attn_out_mlp(const torch::Tensor& x, const torch::Tensor& a
   auto act = at::empty({M, I}, x.options().dtype(torch::kBFloat16));
   uint16_t* ap = reinterpret_cast<uint16_t*>(act.data_ptr<at::BFloat16>());
   const float* gup = gu.data_ptr<float>();
-  for_rows(M, [&](int64_t r) { silu_mul_row(gup + r * 2 * I, I, ap + r * I); });
+  for_rows(M, [&](int64_t r) {
+    if (ex.gelu) gelu_mul_row(gup + r * 2 * I, I, ap + r * I);
+    else silu_mul_row(gup + r * 2 * I, I, ap + r * I);
+  });
   auto y = down_proj(act);
   float* yp = y.data_ptr<float>();
   for_rows(M, [&](int64_t r) {
+    if (ex.post_ffn_norm.numel()) rms_norm_fp32(yp + r * H, ex.post_ffn_norm.data_ptr<float>(), H, feps);
     for (int64_t i = 0; i < H; ++i) yp[r * H + i] = x1p[r * H + i] + yp[r * H + i];
   });
   return y;
@@ -174,18 +212,28 @@ inline torch::Tensor attn_out_mlp(const torch::Tensor& x, const torch::Tensor& a
 // attn_in -> attend_rows -> attn_out_mlp; doing that loop here instead of in Python saves ~40 us of
 // interpreter and dispatch per layer (over a millisecond per step of a 30-layer model, ~15 % of a
 // plain decode step). The same calls in the same order: the numbers are those of the per-layer path.
+// A row plan's kernel arguments (kernels/__init__.py:row_plan_args)
+struct RowPlan {
+  std::vector<int64_t> rows, lens, slot_lists;
+  std::vector<torch::Tensor> slot_tensors;
+};
+
 struct FusedStack {
   std::vector<Linear> qkv, o, gate_up, down;
   std::vector<torch::Tensor> in_norm, post_norm, k_caches, v_caches;
+  std::vector<LayerExtras> extras;
+  std::vector<bool> local;              // sliding-window layers: their own RoPE rows and row plan
   double eps;
   int64_t nq, nkv, D;
   double scale;
 
-  // x [T, H] fp32 -> (x after the last layer, then x before each layer in `capture`, in order)
+  // x [T, H] fp32 -> (x after the last layer, then x before each layer in `capture`, in order);
+  // cos / sin and `plan` serve the global layers, cos_local / sin_local and `local_plan` the
+  // sliding-window ones
   std::vector<torch::Tensor> run(torch::Tensor x, const torch::Tensor& cos, const torch::Tensor& sin,
-                                 const torch::Tensor& slots, const std::vector<int64_t>& rows,
-                                 const std::vector<int64_t>& lens, const std::vector<int64_t>& slot_lists,
-                                 const std::vector<torch::Tensor>& slot_tensors, const std::vector<int64_t>& capture) {
+                                 const torch::Tensor& cos_local, const torch::Tensor& sin_local,
+                                 const torch::Tensor& slots, const RowPlan& plan, const RowPlan& local_plan,
+                                 const std::vector<int64_t>& capture) {
     std::vector<torch::Tensor> out(1);
     const int64_t T = x.size(0);
     size_t c = 0;
@@ -194,15 +242,18 @@ struct FusedStack {
       torch::Tensor q, a;
       {
         RECORD_FUNCTION("draftwise::attn_in", std::vector<c10::IValue>());
-        q = attn_in(x, in_norm[l], eps, qkv[l], cos, sin, nq, nkv, D, slots, k_caches[l], v_caches[l]);
+        q = attn_in(x, in_norm[l], eps, qkv[l], local[l] ? cos_local : cos, local[l] ? sin_local : sin, nq, nkv, D,
+                    slots, k_caches[l], v_caches[l], extras[l]);
       }
       {
         RECORD_FUNCTION("draftwise::attend_rows", std::vector<c10::IValue>());
         a = at::empty({T, nq, D}, x.options());
-        attend_rows(q.view({T, nq, D}), k_caches[l], v_caches[l], a, rows, lens, slot_lists, slot_tensors, scale);
+        const RowPlan& p = local[l] ? local_plan : plan;
+        attend_rows(q.view({T, nq, D}), k_caches[l], v_caches[l], a, p.rows, p.lens, p.slot_lists, p.slot_tensors,
+                    scale);
       }
       RECORD_FUNCTION("draftwise::attn_out_mlp", std::vector<c10::IValue>());
-      x = attn_out_mlp(x, a.view({T, nq * D}), o[l], post_norm[l], eps, gate_up[l], down[l]);
+      x = attn_out_mlp(x, a.view({T, nq * D}), o[l], post_norm[l], eps, gate_up[l], down[l], extras[l]);
     }
     out[0] = x;
     return out;
@@ -246,13 +297,24 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         return lin;
       }))
       .def("__call__", &Linear::operator(), "y [M, N] fp32 = x [M, K] bf16 . W^T (+ bias)");
+  py::class_<LayerExtras>(m, "LayerExtras", py::module_local())
+      .def(py::init([](torch::Tensor q_norm, torch::Tensor k_norm, torch::Tensor post_attn_norm,
+                       torch::Tensor post_ffn_norm, bool gelu) {
+        return LayerExtras{q_norm, k_norm, post_attn_norm, post_ffn_norm, gelu};
+      }));
+  py::class_<RowPlan>(m, "RowPlan", py::module_local())
+      .def(py::init([](std::vector<int64_t> rows, std::vector<int64_t> lens, std::vector<int64_t> slot_lists,
+                       std::vector<torch::Tensor> slot_tensors) {
+        return RowPlan{rows, lens, slot_lists, slot_tensors};
+      }));
   py::class_<FusedStack>(m, "FusedStack", py::module_local())   // one per ISA module in a process
       .def(py::init([](std::vector<Linear> qkv, std::vector<Linear> o, std::vector<Linear> gate_up,
                        std::vector<Linear> down, std::vector<torch::Tensor> in_norm,
                        std::vector<torch::Tensor> post_norm, std::vector<torch::Tensor> k_caches,
-                       std::vector<torch::Tensor> v_caches, double eps, int64_t nq, int64_t nkv, int64_t D,
-                       double scale) {
-        return FusedStack{qkv, o, gate_up, down, in_norm, post_norm, k_caches, v_caches, eps, nq, nkv, D, scale};
+                       std::vector<torch::Tensor> v_caches, std::vector<LayerExtras> extras, std::vector<bool> local,
+                       double eps, int64_t nq, int64_t nkv, int64_t D, double scale) {
+        return FusedStack{qkv, o, gate_up, down, in_norm, post_norm, k_caches, v_caches, extras, local, eps, nq, nkv, D,
+                          scale};
       }))
       .def("run", &FusedStack::run, py::call_guard<py::gil_scoped_release>(),
            "every layer of a row-by-row step: (x after the stack, x before each captured layer)");
