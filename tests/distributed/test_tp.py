@@ -55,8 +55,10 @@ def test_tp2_equals_tp1_greedy_with_drafters_and_seeded_sampling(targets, arch):
         try:
             assert _gen(two, GREEDY) == _gen(one, GREEDY), spec
             assert _gen(two, sampled) == _gen(one, sampled), spec
-            if spec is not None:
-                assert two.get_metrics()["spec_decode"]["num_drafts"] > 0
+            # the adaptive policy drafts only where its measured step costs say drafting pays (a
+            # loaded CI machine may measure that it does not): equality is what it must keep
+            if spec is not None and not spec.get("adaptive"):
+                assert two.get_metrics()["spec_decode"]["num_drafts"] > 0, spec
         finally:
             two.shutdown()
 
