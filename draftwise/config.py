@@ -149,6 +149,9 @@ class SpeculativeConfig:
     rejection_sampler: str = "fused"
     # choose per step how many tokens to speculate from measured step costs (spec_decode/policy.py)
     adaptive: bool = False
+    # each step verifies the part of every request's draft that maximises the batch's expected
+    # tokens per second under the measured step costs (spec_decode/allocation.py); False: whole drafts
+    allocate_drafts: bool = True
     # suffix decoding (vLLM's keys and defaults)
     suffix_decoding_max_tree_depth: int = 24
     suffix_decoding_max_cached_requests: int = 10000

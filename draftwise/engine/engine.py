@@ -19,6 +19,7 @@ from draftwise.inputs import tokenize_prompt
 from draftwise.models.loader import load_target_model, load_tokenizer
 from draftwise.outputs import CompletionOutput, RequestOutput, TokenTrace
 from draftwise.sampling_params import SamplingParams
+from draftwise.spec_decode.allocation import DraftAllocator, StepCosts
 from draftwise.spec_decode.metrics import SpecDecodingStats
 from draftwise.worker.model_runner import ModelRunner
 
@@ -83,7 +84,11 @@ class LLMEngine:
         if self.tp is not None:            # every rank runs the same runner on rank 0's SchedulerOutput
             from draftwise.distributed.worker import TensorParallelRunner
             self.runner = TensorParallelRunner(self.runner, self.tp)
-        self.scheduler = Scheduler(config, num_blocks, lookahead)
+        step_costs = self._measured_step_costs() if self.proposer is not None else None
+        allocator = None
+        if step_costs is not None and self.spec_config.allocate_drafts:
+            allocator = DraftAllocator(StepCosts(step_costs))
+        self.scheduler = Scheduler(config, num_blocks, lookahead, allocator)
         self.spec_stats = SpecDecodingStats()
         self.spec_stats_by_source: dict[str, SpecDecodingStats] = {}
         self.requests: dict[str, Request] = {}
@@ -93,11 +98,7 @@ class LLMEngine:
             from draftwise.spec_decode.policy import SpeculationPolicy
             self.policy = SpeculationPolicy(self.num_spec_tokens,
                                             prior_acceptance=getattr(self.proposer, "expected_acceptance", None))
-            # token counts up to 64 measured (a few seconds at start-up); past that the cost is linear
-            # in the tokens and the policy extrapolates
-            limit = min(config.max_num_batched_tokens, config.max_num_seqs * (1 + self.num_spec_tokens), 64)
-            sizes = sorted({1 << i for i in range(7) if 1 << i < limit} | {limit})
-            self.policy.set_step_costs(self._step_costs(sizes))
+            self.policy.set_step_costs(step_costs)
         self.num_steps = 0
         self._inflight = None                 # async scheduling: (SchedulerOutput, Future) of the running step
         self._grammar_compiler = None
@@ -132,9 +133,18 @@ class LLMEngine:
             fit = max(fit, blocks_per_seq)
         return int(min(fit, 4 * blocks_per_seq * c.max_num_seqs))
 
+    def _measured_step_costs(self) -> dict[int, float]:
+        """Target step seconds by token count for the draft allocation and the adaptive policy:
+        token counts up to 64 measured (a few seconds at start-up, once per model and machine);
+        past that the cost is about linear in the tokens and is extrapolated."""
+        c = self.config
+        limit = max(2, min(c.max_num_batched_tokens, c.max_num_seqs * (1 + self.num_spec_tokens), 64))
+        sizes = sorted({1 << i for i in range(7) if 1 << i < limit} | {limit})
+        return self._step_costs(sizes)
+
     def _step_costs(self, sizes) -> dict[int, float]:
-        """The adaptive policy's start-up table of target step costs, measured once per model,
-        execution mode and machine and cached on disk (a restart reads it back)."""
+        """Start-up table of target step costs, measured once per model, execution mode and
+        machine and cached on disk (a restart reads it back)."""
         import hashlib
         import json
         import os
@@ -312,6 +322,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         if self.config.async_scheduling:
             return self._step_async()
+        t0, fwd0 = time.perf_counter(), self.runner.timer.totals.get("target_forward", 0.0)
         sched = self.scheduler.schedule()
         if not sched.scheduled:
             return self._nothing_scheduled()
@@ -323,7 +334,13 @@ class LLMEngine:
             return self._emit(self._isolate(sched, err))
         items = self._apply(sched, step)
         self._propose(sched, step)
-        return self._emit(items)
+        outputs = self._emit(items)
+        allocator = self.scheduler.draft_allocator
+        if allocator is not None:            # what this step cost, for the allocation's cost model
+            fwd = self.runner.timer.totals.get("target_forward", 0.0) - fwd0
+            allocator.costs.observe_step(sum(len(s.token_ids) for s in sched.scheduled), fwd,
+                                         time.perf_counter() - t0 - fwd)
+        return outputs
 
     def _nothing_scheduled(self) -> list[RequestOutput]:
         if not self.scheduler.running and self.scheduler.waiting:
@@ -443,7 +460,9 @@ class LLMEngine:
         k = self.num_spec_tokens
         if self.policy is not None:
             k = self.policy.choose(len(self.scheduler.running))
-        if self.policy is not None and k == 0:
+        allocator = self.scheduler.draft_allocator
+        if (self.policy is not None and k == 0) or (allocator is not None and not self.scheduler.must_draft()
+                                                    and not allocator.worth_drafting(*self.scheduler.next_step_shape())):
             # plain decoding this step: skip the drafter entirely (its KV for these positions goes
             # stale, which can only lower later acceptance, never change outputs)
             return
@@ -453,8 +472,11 @@ class LLMEngine:
         except Exception:                    # noqa: BLE001 - drafts only ever save time
             logger.exception("the drafter failed; this step's requests decode without drafts")
             return
+        t_draft = time.perf_counter() - t_draft
         if self.policy is not None:
-            self.policy.observe_draft_time(len(sched.scheduled), k, time.perf_counter() - t_draft)
+            self.policy.observe_draft_time(len(sched.scheduled), k, t_draft)
+        if allocator is not None:
+            allocator.observe_drafting(t_draft)
         self.scheduler.add_drafts(sched, drafts)
 
     def _emit(self, updates: list[RequestUpdate]) -> list[RequestOutput]:
@@ -527,6 +549,8 @@ class LLMEngine:
              "step_time_s": dict(self.runner.timer.totals)}
         if self.policy is not None:
             d["speculation_policy"] = self.policy.table()
+        if self.scheduler.draft_allocator is not None:
+            d["draft_allocation"] = self.scheduler.draft_allocator.table()
         return d
 
 

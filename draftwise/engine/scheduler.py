@@ -22,10 +22,18 @@ from typing import TYPE_CHECKING
 from draftwise.config import EngineConfig
 from draftwise.engine.kv_cache import BlockAllocator, block_hashes
 from draftwise.engine.request import Request, RequestStatus
+from draftwise.spec_decode.allocation import DraftAllocator
 from draftwise.spec_decode.draft import Draft
 
 if TYPE_CHECKING:
     from draftwise.spec_decode.tree import TreeDraft
+
+
+def keeps_whole_drafts(req: Request) -> bool:
+    """Seeded sampled requests are exempt from draft allocation (and from skipped drafting): the
+    drafts they verify decide the random numbers they draw, so their tokens must not depend on
+    measured step costs."""
+    return req.params.seed is not None and not req.params.greedy
 
 
 @dataclass
@@ -97,8 +105,11 @@ class RequestUpdate:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, num_blocks: int, num_lookahead_tokens: int = 0):
+    def __init__(self, config: EngineConfig, num_blocks: int, num_lookahead_tokens: int = 0,
+                 draft_allocator: DraftAllocator | None = None):
         self.config = config
+        # how much of each draft a step verifies (spec_decode/allocation.py); None: whole drafts
+        self.draft_allocator = draft_allocator
         self.block_size = config.block_size
         self.allocator = BlockAllocator(num_blocks, enable_caching=config.enable_prefix_caching)
         self.num_lookahead_tokens = num_lookahead_tokens
@@ -205,9 +216,46 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     # --- one step ----------------------------------------------------------------------------
+    def must_draft(self) -> bool:
+        """Whether a running request's drafts may not be skipped (keeps_whole_drafts; such requests
+        get drafts only where the configuration drafts for seeded sampling)."""
+        spec = self.config.speculative_config
+        return bool(spec is not None and spec.draft_seeded_sampling and any(keeps_whole_drafts(r) for r in self.running))
+
+    def next_step_shape(self, budget: int | None = None) -> tuple[int, int]:
+        """(tokens besides drafts, requests that sample a token) of the next step as it stands:
+        every running request's pending tokens (one in decode), and the prefill a waiting request
+        would add, within the token budget."""
+        budget = self.config.max_num_batched_tokens if budget is None else budget
+        pending = [r.num_tokens - r.num_computed_tokens for r in self.running]
+        fixed = min(budget, sum(pending))
+        sampled = sum(1 for n in pending if n <= 1)
+        if self.waiting and len(self.running) < self.config.max_num_seqs:
+            fixed = min(budget, fixed + sum(r.num_tokens - r.num_computed_tokens for r in self.waiting))
+        return fixed, sampled
+
+    def _allocate_drafts(self, budget: int) -> None:
+        """Cut the running requests' drafts to the lengths that maximise the step's expected
+        emitted tokens per second (spec_decode/allocation.py), counting the step's other tokens:
+        every running request's pending tokens and the prefill a waiting request would add."""
+        running = self.running
+        if not any(r.draft for r in running):
+            return
+        fixed, sampled = self.next_step_shape(budget)
+        # a seeded sampled request verifies its whole draft: how many drafts it verifies decides
+        # which random numbers it draws, and its seed must give the same tokens on every run
+        pinned = [r.draft is not None and keeps_whole_drafts(r) for r in running]
+        whole = [r.draft for r, pin in zip(running, pinned) if pin]
+        drafts = [None if pin else r.draft for r, pin in zip(running, pinned)]
+        for r, d, k in zip(running, drafts, self.draft_allocator.choose(drafts, fixed, sampled, whole)):
+            if d:
+                r.draft = d.truncated(k) if k else None
+
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
+        if self.draft_allocator is not None:
+            self._allocate_drafts(budget)
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -280,9 +328,11 @@ class Scheduler:
                 req.metrics.first_token_time = now
             req.num_steps += 1
             # accepted drafts that were emitted (a stop condition may cut inside them)
-            acc = min(acc, len(appended))
+            num_verified, acc = acc, min(acc, len(appended))
             if s.num_draft_tokens:
                 req.metrics.observe(s.num_draft_tokens, acc)
+                if self.draft_allocator is not None:
+                    self.draft_allocator.observe(s.draft, num_verified)
             new_lps = None
             if lps is not None:
                 new_lps = lps[:len(appended)]

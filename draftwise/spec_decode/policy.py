@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import math
 
+from draftwise.spec_decode.allocation import StepCosts
+
 
 class SpeculationPolicy:
     def __init__(self, max_k: int, prior: float = 0.5, prior_weight: float = 4.0,
@@ -35,7 +37,7 @@ class SpeculationPolicy:
         self.reached = [prior_weight] * max_k
         rates = list(prior_acceptance or [])
         self.accepted = [prior_weight * (rates[j] if j < len(rates) else prior ** (j + 1)) for j in range(max_k)]
-        self.step_costs: dict[int, float] = {}
+        self.step_costs = StepCosts()
         self.draft_costs: dict[tuple[int, int], float] = {}
         self.chosen: dict[tuple[int, int], int] = {}
 
@@ -46,7 +48,7 @@ class SpeculationPolicy:
     # --- what is measured ------------------------------------------------------------------------
     def set_step_costs(self, costs: dict[int, float]) -> None:
         """Target forward seconds per token count, measured at start-up."""
-        self.step_costs = {int(t): float(c) for t, c in costs.items() if c > 0}
+        self.step_costs = StepCosts(costs)
 
     def observe_acceptance(self, num_draft: int, num_accepted: int) -> None:
         """One verified draft of `num_draft` tokens of which the first `num_accepted` were accepted."""
@@ -71,20 +73,8 @@ class SpeculationPolicy:
         return out
 
     def cost(self, tokens: int) -> float | None:
-        """Piecewise-linear interpolation of the measured step costs (linear extrapolation past
-        the largest measured size)."""
-        pts = sorted(self.step_costs.items())
-        if not pts:
-            return None
-        if tokens <= pts[0][0]:
-            return pts[0][1]
-        for (t0, c0), (t1, c1) in zip(pts, pts[1:]):
-            if tokens <= t1:
-                return c0 + (c1 - c0) * (tokens - t0) / (t1 - t0)
-        if len(pts) == 1:
-            return pts[0][1] * tokens / pts[0][0]
-        (t0, c0), (t1, c1) = pts[-2], pts[-1]
-        return c1 + (c1 - c0) * (tokens - t1) / (t1 - t0)
+        """The measured step cost at `tokens` (StepCosts: piecewise linear, extrapolated)."""
+        return self.step_costs(tokens) if self.step_costs else None
 
     def draft_cost(self, batch_size: int, k: int) -> float:
         if k == 0:

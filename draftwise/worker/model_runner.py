@@ -146,21 +146,24 @@ class ModelRunner:
                     best[n] = min(best[n], time.perf_counter() - t0)
         return best
 
-    def scratch_step_inputs(self, n: int, context: int = 0):
-        """(input_ids, positions, attention metadata, logits rows) of one request feeding `n` tokens
-        after `context` cached ones, in scratch KV blocks; None if the pool is too small."""
+    def scratch_step_inputs(self, n: int, context: int = 0, num_requests: int = 1):
+        """(input_ids, positions, attention metadata, logits rows) of `num_requests` requests each
+        feeding `n` tokens after `context` cached ones, in scratch KV blocks (requests share the
+        blocks: only the shapes matter); None if the pool is too small."""
         from draftwise.layers.attention import CAUSAL, AttentionMetadata
         total = context + n
         need = -(-total // self.block_size)
         if need > self.kv_cache.num_blocks:
             return None
-        bt = torch.arange(need, dtype=torch.long, device=self.device)[None]
-        pos = torch.arange(context, total, device=self.device)
-        slots = slots_for_positions(bt, torch.zeros_like(pos), pos, self.block_size)
-        meta = AttentionMetadata(slots, [n], [total], bt, self.block_size, CAUSAL,
-                                 row_invariant=self.config.quantization is not None).finalize()
-        ids = torch.zeros(n, dtype=torch.long, device=self.device)
-        return ids, pos, meta, torch.arange(n, device=self.device)
+        bt = torch.arange(need, dtype=torch.long, device=self.device)[None].expand(num_requests, need)
+        pos = torch.arange(context, total, device=self.device).repeat(num_requests)
+        req_index = torch.arange(num_requests, device=self.device).repeat_interleave(n)
+        slots = slots_for_positions(bt, req_index, pos, self.block_size)
+        meta = AttentionMetadata(slots, [n] * num_requests, [total] * num_requests, bt.contiguous(),
+                                 self.block_size, CAUSAL, row_invariant=self.config.quantization is not None).finalize()
+        rows = n * num_requests
+        ids = torch.zeros(rows, dtype=torch.long, device=self.device)
+        return ids, pos, meta, torch.arange(rows, device=self.device)
 
     # --- helpers ---------------------------------------------------------------------------------
     def _block_tables(self, reqs) -> torch.Tensor:

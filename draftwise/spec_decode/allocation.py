@@ -1,0 +1,240 @@
+"""Batch-aware draft allocation: how many of each request's drafted tokens the next step verifies.
+
+A step verifies, for every running request, its pending tokens (one, in decode) followed by some
+prefix of its draft, plus any prefill chunks the scheduler adds. With `a_ij` the probability that
+node j of request i's draft is accepted (its whole path accepted), the step is expected to emit
+
+    E(k) = D + sum_i sum_{j < k_i} a_ij          (D: requests that sample a token this step)
+
+tokens at a cost of `cost(F + sum_i k_i)` seconds, F being the step's tokens before drafts. The
+allocation picks the draft lengths k_i (0 included) that maximise E(k) / cost(...): expected
+output tokens per second of the whole step. Within a draft `a_ij` is non-increasing (a node is
+accepted only if its parent is), so for a given total N the best choice is the N most probable
+nodes of the batch, taken as prefixes; the allocator sorts the nodes once and scans N. One code
+path serves batch 1 (where verification is nearly free and long drafts pay) and batch 64 (where
+every verified token costs about what a decoded one does and only near-certain drafts pay).
+
+- `cost(T)`: the target's step cost at T tokens, measured at start-up (`StepCosts`, piecewise
+  linear, extrapolated linearly past the largest measured size), plus the step's fixed overhead
+  (scheduling, sampling, bookkeeping) learned online from the engine's measured step times.
+- `a_ij`: the drafter's own estimate (suffix decoding's count-based path probability; model
+  drafters' path probability; 1 where a drafter gives none) *calibrated online*: verified nodes
+  are counted per (drafter, position bucket, estimate bin) with exponential decay, starting from
+  the estimate itself as a prior, so an over-confident drafter is corrected within a few hundred
+  drafts and a drafter without estimates learns its acceptance per position.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from draftwise.spec_decode.draft import Draft
+
+NUM_BINS = 10                      # estimate bins: [0, 0.1), ..., [0.9, 1]
+POSITION_BUCKETS = (0, 1, 2, 4, 8)  # node depth buckets: 0, 1, 2-3, 4-7, 8+
+
+
+class StepCosts:
+    """Seconds of one whole step by token count: `scale * forward(T) + overhead`.
+
+    `forward(T)` is the start-up table `points`: the target forward's measured seconds at a few
+    token counts (one request, short context, cached per model and machine), interpolated
+    piecewise-linearly and extrapolated linearly past the largest. A served step differs: its
+    rows belong to many requests with long contexts, the machine may run slower than when the
+    table was measured, and scheduling, sampling and drafting run around the forward. The engine
+    reports every step's forward seconds and the rest of its wall time; `scale` is the decayed
+    ratio of measured forward seconds to the table's, `overhead` the decayed mean of the rest."""
+
+    def __init__(self, points: dict[int, float] | None = None, decay: float = 0.97):
+        self.points = sorted((int(t), float(c)) for t, c in (points or {}).items() if c > 0)
+        self.decay = decay
+        self.scale, self.overhead = 1.0, 0.0
+        self._sums = [0.0, 0.0, 0.0, 0.0]   # decayed: steps, table seconds, forward seconds, other seconds
+
+    def __bool__(self) -> bool:
+        return bool(self.points)
+
+    def forward(self, tokens: int) -> float:
+        pts = self.points
+        if not pts:
+            return 0.0
+        if tokens <= pts[0][0]:
+            return pts[0][1]
+        for (t0, c0), (t1, c1) in zip(pts, pts[1:]):
+            if tokens <= t1:
+                return c0 + (c1 - c0) * (tokens - t0) / (t1 - t0)
+        if len(pts) == 1:
+            return pts[0][1] * tokens / pts[0][0]
+        (t0, c0), (t1, c1) = pts[-2], pts[-1]
+        return c1 + (c1 - c0) * (tokens - t1) / (t1 - t0)
+
+    def __call__(self, tokens: int) -> float:
+        return self.scale * self.forward(tokens) + self.overhead
+
+    def observe_step(self, tokens: int, forward_seconds: float, other_seconds: float) -> None:
+        """A served step of `tokens` tokens: its forward took `forward_seconds`, everything else
+        around it (scheduling, inputs, sampling, drafting, outputs) `other_seconds`."""
+        if not self.points or tokens <= 0 or forward_seconds <= 0:
+            return
+        s = self._sums
+        for i, v in enumerate((1.0, self.forward(tokens), forward_seconds, max(0.0, other_seconds))):
+            s[i] = s[i] * self.decay + v
+        self.scale = min(8.0, max(0.125, s[2] / s[1]))
+        self.overhead = s[3] / s[0]
+
+
+def _bin(p: float) -> int:
+    return min(NUM_BINS - 1, max(0, int(p * NUM_BINS)))
+
+
+def _position_bucket(depth: int) -> int:
+    b = 0
+    for i, start in enumerate(POSITION_BUCKETS):
+        if depth >= start:
+            b = i
+    return b
+
+
+@dataclass
+class AcceptanceCalibration:
+    """Online acceptance of draft nodes by (drafter, depth bucket, estimate bin): decayed counts
+    with the bin's own estimate as a prior of `prior_weight` observations."""
+    prior_weight: float = 4.0
+    decay: float = 0.998
+    counts: dict = field(default_factory=dict)      # key -> [accepted, seen]
+
+    def _cell(self, source: str, depth: int, estimate: float) -> list[float]:
+        key = (source, _position_bucket(depth), _bin(estimate))
+        cell = self.counts.get(key)
+        if cell is None:
+            prior = (_bin(estimate) + 0.5) / NUM_BINS
+            cell = self.counts[key] = [self.prior_weight * prior, self.prior_weight]
+        return cell
+
+    def estimates(self, draft: Draft) -> list[float]:
+        """Calibrated probability that each node (creation order) is accepted, made
+        non-increasing along the creation order (what the prefix truncation needs)."""
+        raw = draft.probs if draft.probs is not None else [1.0] * len(draft)
+        depth = _depths(draft.parents)
+        out, prev = [], 1.0
+        for p, d in zip(raw, depth):
+            acc, seen = self._cell(draft.source, d, float(p))
+            prev = min(prev, acc / seen)
+            out.append(prev)
+        return out
+
+    def observe(self, draft: Draft, num_accepted: int) -> None:
+        """A verified chain draft of which the first `num_accepted` nodes were accepted: every node
+        is one trial of its cell (accepted iff it lies before the first rejection), so a cell
+        estimates P(node accepted), the quantity the allocation sums. Trees are not observed (their
+        accepted path is not a prefix of the creation order)."""
+        if draft is None or not len(draft) or not draft.is_chain:
+            return
+        raw = draft.probs if draft.probs is not None else [1.0] * len(draft)
+        for j, p in enumerate(raw):
+            cell = self._cell(draft.source, j, float(p))
+            cell[0] = cell[0] * self.decay + (1.0 if j < num_accepted else 0.0)
+            cell[1] = cell[1] * self.decay + 1.0
+
+    def best_first_node(self) -> float:
+        """The highest calibrated acceptance any drafter's first node has (the prior's 0.95 before
+        anything is observed)."""
+        return max((a / n for (_, b, _), (a, n) in self.counts.items() if b == 0),
+                   default=(NUM_BINS - 0.5) / NUM_BINS)
+
+    def table(self) -> dict:
+        return {f"{s}/d{POSITION_BUCKETS[b]}/p{k / NUM_BINS:.1f}": round(a / n, 3)
+                for (s, b, k), (a, n) in sorted(self.counts.items())}
+
+
+def _depths(parents: list[int]) -> list[int]:
+    depth = []
+    for p in parents:
+        depth.append(0 if p < 0 else depth[p] + 1)
+    return depth
+
+
+def allocate(accept: list[list[float]], fixed_tokens: int, sampled: float, cost) -> list[int]:
+    """Draft lengths maximising expected emitted tokens per second of the step.
+
+    accept: per request, the acceptance probability of each draft node in creation order
+            (non-increasing); fixed_tokens: the step's tokens besides these drafts; sampled: the
+            tokens the step emits without them (one per sampling request); cost(T): seconds of a
+            step of T tokens.
+    Returns k_i per request (a prefix length of its draft)."""
+    nodes = sorted(((p, j, i) for i, row in enumerate(accept) for j, p in enumerate(row)),
+                   key=lambda x: (-x[0], x[1], x[2]))
+    best_n, best_rate = 0, sampled / cost(fixed_tokens) if fixed_tokens else 0.0
+    expected = float(sampled)
+    for n, (p, _, _) in enumerate(nodes, start=1):
+        if p <= 0:
+            break
+        expected += p
+        rate = expected / cost(fixed_tokens + n)
+        if rate > best_rate:
+            best_n, best_rate = n, rate
+    lengths = [0] * len(accept)
+    for _, j, i in nodes[:best_n]:
+        lengths[i] = max(lengths[i], j + 1)
+    return lengths
+
+
+class DraftAllocator:
+    """The scheduler's draft allocation: calibration, step costs and the per-step choice."""
+
+    EXPLORE_EVERY = 8
+
+    def __init__(self, costs: StepCosts, calibration: AcceptanceCalibration | None = None):
+        self.costs = costs
+        self.calibration = calibration or AcceptanceCalibration()
+        self.steps = 0
+        self.offered = 0
+        self.kept = 0
+        self.skipped = 0                   # steps whose drafting was skipped
+        self._skips_in_row = 0
+        self.draft_seconds = 0.0           # decayed mean of a step's drafting seconds
+
+    def worth_drafting(self, fixed_tokens: int, sampled: int) -> bool:
+        """Whether drafting for the next step can pay: its single most promising node (the best
+        calibrated first-node acceptance) must raise the step's expected tokens per second by more
+        than drafting for the batch costs (decayed mean of measured drafting seconds). False
+        skips the drafter for the step; allocation can only cut drafts further."""
+        if not self.costs or sampled <= 0:
+            return True
+        p = self.calibration.best_first_node()
+        base = sampled / self.costs(fixed_tokens)
+        with_one = (sampled + p) / (self.costs(fixed_tokens + 1) + self.draft_seconds)
+        # every EXPLORE_EVERY-th skipped step drafts anyway, so the calibration keeps learning
+        # what drafts are worth now (text turns repetitive, the batch shrinks)
+        worth = with_one > base or self._skips_in_row + 1 >= self.EXPLORE_EVERY
+        self._skips_in_row = 0 if worth else self._skips_in_row + 1
+        self.skipped += not worth
+        return worth
+
+    def observe_drafting(self, seconds: float) -> None:
+        self.draft_seconds += 0.1 * (seconds - self.draft_seconds)
+
+    def choose(self, drafts: list[Draft | None], fixed_tokens: int, sampled: int,
+               whole: list[Draft] = ()) -> list[int]:
+        """Lengths to keep of each draft (0 for None); `whole` drafts are verified in full beside
+        them (their tokens and expected accepted tokens are part of the step)."""
+        fixed_tokens += sum(len(d) for d in whole)
+        sampled += sum(sum(self.calibration.estimates(d)) for d in whole)
+        accept = [self.calibration.estimates(d) if d else [] for d in drafts]
+        if not self.costs:
+            lengths = [len(a) for a in accept]
+        else:
+            lengths = allocate(accept, fixed_tokens, sampled, self.costs)
+        self.steps += 1
+        self.offered += sum(len(a) for a in accept)
+        self.kept += sum(lengths)
+        return lengths
+
+    def observe(self, draft: Draft | None, num_accepted: int) -> None:
+        self.calibration.observe(draft, num_accepted)
+
+    def table(self) -> dict:
+        return {"steps": self.steps, "steps_without_drafting": self.skipped, "draft_tokens_offered": self.offered,
+                "draft_tokens_kept": self.kept, "drafting_ms": round(self.draft_seconds * 1000, 3),
+                "step_cost_scale": round(self.costs.scale, 3),
+                "step_overhead_ms": round(self.costs.overhead * 1000, 3),
+                "calibration": self.calibration.table()}

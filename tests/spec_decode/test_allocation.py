@@ -1,0 +1,127 @@
+"""Batch-aware draft allocation (spec_decode/allocation.py): the choice is the optimum of its
+model, the model's parts learn from what they observe, and the scheduler applies the choice."""
+import itertools
+import random
+
+import pytest
+
+from draftwise.spec_decode.allocation import AcceptanceCalibration, DraftAllocator, StepCosts, allocate
+from draftwise.spec_decode.draft import Draft
+
+
+def _rate(accept, lengths, fixed, sampled, cost):
+    expected = sampled + sum(sum(row[:k]) for row, k in zip(accept, lengths))
+    return expected / cost(fixed + sum(lengths))
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_allocate_is_the_optimum_of_its_model(seed):
+    rng = random.Random(seed)
+    n_req = rng.randint(1, 4)
+    accept = []
+    for _ in range(n_req):
+        row, p = [], 1.0
+        for _ in range(rng.randint(0, 4)):
+            p *= rng.uniform(0.2, 1.0)
+            row.append(p)
+        accept.append(row)
+    knee, slope, base = rng.randint(1, 8), rng.uniform(0.2, 2.0), rng.uniform(0.5, 5.0)
+    cost = lambda t: base + slope * max(0, t - knee)         # flat, then compute-bound   # noqa: E731
+    fixed = sampled = n_req
+    got = allocate(accept, fixed, sampled, cost)
+    best = max(_rate(accept, ks, fixed, sampled, cost)
+               for ks in itertools.product(*[range(len(r) + 1) for r in accept]))
+    assert _rate(accept, got, fixed, sampled, cost) == pytest.approx(best)
+    assert all(0 <= k <= len(r) for k, r in zip(got, accept))
+
+
+def test_allocate_keeps_everything_when_verification_is_free_and_only_sure_drafts_when_not():
+    accept = [[0.9, 0.6, 0.3], [0.5, 0.2], []]
+    assert allocate(accept, 3, 3, lambda t: 1.0) == [3, 2, 0]
+    # every token costs what a decoded one does: only drafts that are nearly certain pay
+    assert allocate(accept, 3, 3, lambda t: float(t)) == [0, 0, 0]
+    assert allocate([[0.99, 0.98]], 1, 1, lambda t: 1.0 + 0.01 * t) == [2]
+
+
+def test_step_costs_interpolate_and_follow_the_served_steps():
+    c = StepCosts({1: 0.010, 8: 0.017, 16: 0.030})
+    assert c(4) == pytest.approx(0.013)
+    assert c(32) == pytest.approx(0.056)            # extrapolated from the last two points
+    for _ in range(200):                            # the served forward runs at twice the table's cost
+        c.observe_step(8, 0.034, 0.002)
+    assert c.scale == pytest.approx(2.0, rel=1e-3)
+    assert c.overhead == pytest.approx(0.002, rel=1e-3)
+    assert c(8) == pytest.approx(0.036, rel=1e-3)
+    assert not StepCosts() and StepCosts()(5) == 0.0
+
+
+def test_calibration_learns_an_over_confident_drafter():
+    cal = AcceptanceCalibration()
+    d = Draft.chain([1, 2, 3], "suffix", [0.95, 0.9, 0.9])
+    assert cal.estimates(d)[0] == pytest.approx(0.95)
+    for _ in range(300):
+        cal.observe(d, 0)                           # the first node is never accepted
+    est = cal.estimates(d)
+    assert est[0] < 0.05 and est == sorted(est, reverse=True)
+    # a drafter without estimates learns its acceptance per position
+    e = Draft.chain([4, 5], "ngram")
+    for i in range(400):
+        cal.observe(e, 1 if i % 2 else 2)           # the first always accepted, the second half the time
+    a0, a1 = cal.estimates(e)
+    assert a0 > 0.9 and 0.4 < a1 < 0.6
+
+
+def test_drafting_is_skipped_where_it_cannot_pay_but_still_explored():
+    al = DraftAllocator(StepCosts({1: 0.001, 64: 0.064}))      # compute-bound: a token costs a token
+    d = Draft.chain([1], "suffix", [0.5])
+    for _ in range(300):
+        al.observe(d, 0)
+    decisions = [al.worth_drafting(16, 16) for _ in range(16)]
+    assert decisions.count(True) == 16 // DraftAllocator.EXPLORE_EVERY
+    cheap = DraftAllocator(StepCosts({1: 0.010, 64: 0.011}))   # memory-bound: verification is free
+    assert all(cheap.worth_drafting(16, 16) for _ in range(16))
+
+
+def test_scheduler_verifies_the_allocated_part_of_each_draft():
+    from draftwise.config import EngineConfig
+    from draftwise.engine.request import Request
+    from draftwise.engine.scheduler import Scheduler
+    from draftwise.sampling_params import SamplingParams
+    cfg = EngineConfig(model="x", max_model_len=64, max_num_seqs=4, max_num_batched_tokens=64, block_size=4)
+    sched = Scheduler(cfg, 64, 0, DraftAllocator(StepCosts({1: 1.0, 4: 1.0, 8: 1.6, 16: 3.0})))
+    reqs = [Request(str(i), [1, 2, 3], SamplingParams(max_tokens=8)) for i in range(2)]
+    for r in reqs:
+        sched.add(r)
+    out = sched.schedule()
+    for s in out.scheduled:                              # prefill done, one token sampled each
+        s.request.num_computed_tokens = 3
+        s.request.append_output(7)
+    reqs[0].draft = Draft.chain([5, 6, 7, 8], "suffix", [0.97, 0.95, 0.4, 0.1])
+    reqs[1].draft = Draft.chain([9, 9], "suffix", [0.3, 0.1])
+    out = sched.schedule()
+    by_id = {s.request.request_id: s for s in out.scheduled}
+    assert by_id["0"].num_draft_tokens == 2 and by_id["0"].token_ids == [7, 5, 6]
+    assert by_id["1"].num_draft_tokens == 0 and by_id["1"].draft is None
+
+
+def test_seeded_sampled_requests_verify_whole_drafts():
+    """Their drafts decide the random numbers they draw: allocation must not depend on timing."""
+    from draftwise.config import EngineConfig, SpeculativeConfig
+    from draftwise.engine.request import Request
+    from draftwise.engine.scheduler import Scheduler
+    from draftwise.sampling_params import SamplingParams
+    cfg = EngineConfig(model="x", max_model_len=64, max_num_seqs=4, max_num_batched_tokens=64, block_size=4,
+                       speculative_config=SpeculativeConfig(method="ngram", num_speculative_tokens=3))
+    sched = Scheduler(cfg, 64, 0, DraftAllocator(StepCosts({1: 1.0, 64: 64.0})))   # drafts never pay
+    seeded = Request("s", [1, 2, 3], SamplingParams(max_tokens=8, temperature=1.0, seed=7))
+    plain = Request("p", [1, 2, 3], SamplingParams(max_tokens=8, temperature=1.0))
+    for r in (seeded, plain):
+        sched.add(r)
+    for s in sched.schedule().scheduled:
+        s.request.num_computed_tokens = 3
+        s.request.append_output(7)
+    seeded.draft = Draft.chain([5, 6, 7], "ngram")
+    plain.draft = Draft.chain([5, 6, 7], "ngram")
+    assert sched.must_draft()
+    by_id = {s.request.request_id: s for s in sched.schedule().scheduled}
+    assert by_id["s"].num_draft_tokens == 3 and by_id["p"].num_draft_tokens == 0
