@@ -1,15 +1,17 @@
 """Peer engines for `draftwise bench`, run on the same weights and prompts when installed:
-Hugging Face transformers `generate` (plain and prompt lookup), llama.cpp via llama-cpp-python
-(plain and its prompt-lookup drafting) on the same GGUF, and OpenVINO GenAI's `LLMPipeline` on the
-CPU (plain and prompt lookup) over an OpenVINO model exported from the same dequantized weights
+Hugging Face transformers `generate` (plain and prompt lookup, in this process), and in child
+processes (draftwise/bench/peer_worker.py, under the Python of the environment that has them)
+llama.cpp via llama-cpp-python (plain and its prompt-lookup drafting) on the same GGUF, and
+OpenVINO GenAI's `LLMPipeline` on the CPU (plain and prompt lookup, continuous batching for a
+batch) reading the same GGUF or an OpenVINO model exported from the same dequantized weights
 (`python -m draftwise.bench.openvino_export`, in an environment with optimum-intel).
 
-A peer answers one conversation at a time and reports (text, token ids, PeerTiming): its time to
+A peer answers conversations and reports (text, token ids, PeerTiming) for each: its time to
 first token and the prompt tokens it read, so the bench reports decode speed and time to first
-token apart, as it does for draftwise's own rows."""
+token apart, as it does for draftwise's own rows. A native peer that crashes ends its own
+process only (PeerCrashed): the bench keeps the other rows."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import time
@@ -23,6 +25,7 @@ class PeerTiming:
     ttft_s: float | None           # request start -> first token (None: the peer does not say)
     total_s: float                 # request start -> last token
     prompt_tokens: int | None = None
+    num_tokens: int | None = None  # tokens generated, where the returned ids are a re-encoding
 
 
 class HFPeer:
@@ -66,100 +69,111 @@ class HFPeer:
         return self.tok.decode(new, skip_special_tokens=True), new, PeerTiming(ttft, total, ids.shape[1])
 
 
-class LlamaCppPeer:
-    def __init__(self, model: str, max_tokens: int, prompt_lookup: bool):
-        if importlib.util.find_spec("llama_cpp") is None:
-            raise ImportError("llama-cpp-python is not installed")
-        from llama_cpp import Llama
-        from draftwise.models.loader import gguf_path_for
-        path = gguf_path_for(model) or model
-        if not path.endswith(".gguf"):
-            raise ValueError("llama.cpp peer needs a GGUF model")
-        kw = {}
-        if prompt_lookup:
-            from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
-            kw["draft_model"] = LlamaPromptLookupDecoding(num_pred_tokens=5)
-        n = torch.get_num_threads()          # the same threads as the draftwise methods of the run
-        # logits_all with the prompt-lookup draft model: without it the peer fails on long prompts
-        self.llm = Llama(model_path=path, n_ctx=4096, n_threads=n, n_threads_batch=n, verbose=False,
-                         logits_all=prompt_lookup, **kw)
+class PeerCrashed(RuntimeError):
+    """The peer's process ended while it had work (a native crash, a kill, out of memory)."""
+
+
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "peer_worker.py")
+
+
+class PeerProcess:
+    """A native peer engine (llama.cpp, OpenVINO GenAI) in a child process running
+    draftwise/bench/peer_worker.py under `python` (default: this interpreter; OpenVINO GenAI usually
+    has an environment of its own). A crash there ends that process only and surfaces here as
+    PeerCrashed with the end of its stderr; a peer that refuses to load raises ValueError."""
+
+    def __init__(self, peer: str, model: str, max_tokens: int, python: str | None = None, max_num_seqs: int = 1,
+                 ignore_eos: bool = False):
+        import subprocess
+        import sys
+        import tempfile
+        self.name = peer
         self.max_tokens = max_tokens
-        # a base model (no chat template in the file) continues plain text, as the engine's methods
-        self.chat = "tokenizer.chat_template" in self.llm.metadata
+        self._stderr = tempfile.TemporaryFile(mode="w+")
+        # a fresh environment for the child: the peer's own Python finds its own packages
+        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+        self.proc = subprocess.Popen([python or sys.executable, WORKER], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=self._stderr, text=True, env=env)
+        self._recv()                                          # the interpreter is up
+        self._send({"peer": peer, "model": model, "max_tokens": max_tokens, "threads": torch.get_num_threads(),
+                    "max_num_seqs": max_num_seqs, "ignore_eos": ignore_eos})
+        msg = self._recv()
+        if "error" in msg:
+            self.close()
+            raise ValueError(f"{peer}: {msg['error']}")
+        self.weights = msg.get("weights", "unknown")
 
-    def generate(self, messages):
+    def _send(self, obj) -> None:
+        try:
+            self.proc.stdin.write(json.dumps(obj) + "\n")
+            self.proc.stdin.flush()
+        except (BrokenPipeError, OSError):
+            self._crashed()
+
+    def _recv(self) -> dict:
+        line = self.proc.stdout.readline()
+        if not line:
+            self._crashed()
+        return json.loads(line)
+
+    def _crashed(self):
+        rc = self.proc.wait()
+        self._stderr.seek(0)
+        tail = self._stderr.read()[-800:].strip()
+        how = f"signal {-rc}" if rc < 0 else f"status {rc}"
+        raise PeerCrashed(f"peer {self.name} ended with {how}" + (f": {tail}" if tail else ""))
+
+    def request(self, obj) -> dict:
+        self._send(obj)
+        msg = self._recv()
+        if "error" in msg:
+            raise RuntimeError(f"{self.name}: {msg['error']}")
+        return msg
+
+    def generate_batch(self, conversations) -> list[tuple[str, list[int], PeerTiming]]:
+        """Answers to several conversations; a batching peer runs them together."""
         from draftwise.inputs import conversation_prompt
-        t0, first, parts = time.perf_counter(), None, []
-        if self.chat:
-            stream = self.llm.create_chat_completion(messages=messages, max_tokens=self.max_tokens, temperature=0.0,
-                                                     stream=True)
-        else:
-            stream = self.llm.create_completion(conversation_prompt(None, messages), max_tokens=self.max_tokens,
-                                                temperature=0.0, stream=True)
-        for chunk in stream:
-            choice = chunk["choices"][0]
-            piece = choice["delta"].get("content") if "delta" in choice else choice.get("text")
-            if piece:
-                first = first or time.perf_counter()
-                parts.append(piece)
-        text = "".join(parts)
-        ids = self.llm.tokenize(text.encode(), add_bos=False, special=False)
-        return text, ids, PeerTiming(None if first is None else first - t0, time.perf_counter() - t0)
-
-
-class OpenVINOPeer:
-    """OpenVINO GenAI LLMPipeline on the CPU: greedy, prefix caching off, INFERENCE_NUM_THREADS =
-    the run's threads; `prompt_lookup` adds its prompt-lookup drafting (5 tokens, n-grams up to 3)."""
-
-    def __init__(self, model_dir: str | None, max_tokens: int, prompt_lookup: bool):
-        if importlib.util.find_spec("openvino_genai") is None:
-            raise ImportError("openvino-genai is not installed (pip install openvino-genai)")
-        if not model_dir or not os.path.exists(os.path.join(model_dir, "openvino_model.xml")):
-            raise ValueError("the openvino peers need --openvino-model DIR: an OpenVINO model exported from the same "
-                             "weights (python -m draftwise.bench.openvino_export --help)")
-        import openvino_genai as ov_genai
-        props = {"INFERENCE_NUM_THREADS": torch.get_num_threads()}
-        if prompt_lookup:
-            props["prompt_lookup"] = True
-        scheduler = ov_genai.SchedulerConfig()
-        scheduler.enable_prefix_caching = False
-        self.pipe = ov_genai.LLMPipeline(model_dir, "CPU", scheduler_config=scheduler, **props)
-        self.tok = self.pipe.get_tokenizer()
-        self.cfg = ov_genai.GenerationConfig()
-        self.cfg.max_new_tokens, self.cfg.do_sample = max_tokens, False
-        if prompt_lookup:
-            self.cfg.num_assistant_tokens, self.cfg.max_ngram_size = 5, 3
-        self.weights = _openvino_weight_format(model_dir)
+        prompts = [{"messages": m, "text": conversation_prompt(None, m)} for m in conversations]
+        res = self.request({"op": "generate", "prompts": prompts})["results"]
+        return [(r["text"], r["ids"], PeerTiming(r["ttft_s"], r["total_s"], r["prompt_tokens"], r.get("num_tokens")))
+                for r in res]
 
     def generate(self, messages):
-        prompt = self.tok.apply_chat_template(messages, add_generation_prompt=True)
-        enc = self.tok.encode(prompt, add_special_tokens=False)
-        t0 = time.perf_counter()
-        res = self.pipe.generate(enc, self.cfg)
-        total = time.perf_counter() - t0
-        ids = [int(t) for t in res.tokens[0]]
-        eos = self.tok.get_eos_token_id()
-        if ids and ids[-1] == eos:
-            ids = ids[:-1]
-        pm = res.perf_metrics
-        return (self.tok.decode(ids, skip_special_tokens=True), ids,
-                PeerTiming(pm.get_ttft().mean / 1000.0, total, int(pm.get_num_input_tokens())))
+        return self.generate_batch([messages])[0]
+
+    def prefill(self, token_ids: list[int], repeats: int) -> float:
+        return float(self.request({"op": "prefill", "token_ids": list(token_ids), "repeats": repeats})["ttft_s"])
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(timeout=30)
+            except Exception:                                 # noqa: BLE001
+                self.proc.kill()
+        self._stderr.close()
 
 
-def _openvino_weight_format(model_dir: str) -> str:
-    """What the exported model's weights are, as the export recorded it."""
-    try:
-        with open(os.path.join(model_dir, "draftwise_export.json")) as f:
-            return json.load(f)["weights"]
-    except (OSError, ValueError, KeyError):
-        return "unknown"
+def peer_model(name: str, model: str, openvino_model: str | None = None) -> str:
+    """The file or directory a native peer reads: the model's GGUF file (llama.cpp; OpenVINO GenAI
+    reads it too), or an OpenVINO export given by --openvino-model."""
+    from draftwise.models.loader import gguf_path_for
+    if name.startswith("openvino") and openvino_model:
+        return openvino_model
+    path = gguf_path_for(model) or model
+    if not path.endswith(".gguf"):
+        raise ValueError(f"peer {name} needs a GGUF model (or, for OpenVINO, --openvino-model DIR), got {model!r}")
+    return path
 
 
-def make_peer(name: str, model: str, max_tokens: int, openvino_model: str | None = None):
+def make_peer(name: str, model: str, max_tokens: int, openvino_model: str | None = None,
+              python: dict | None = None, max_num_seqs: int = 1, ignore_eos: bool = False):
+    """A peer by name; `python` maps a peer family ("llamacpp", "openvino") to the interpreter of
+    the environment that has it."""
     if name in ("hf", "hf-pld"):
         return HFPeer(model, max_tokens, name == "hf-pld")
-    if name in ("llamacpp", "llamacpp-pld"):
-        return LlamaCppPeer(model, max_tokens, name == "llamacpp-pld")
-    if name in ("openvino", "openvino-pld"):
-        return OpenVINOPeer(openvino_model, max_tokens, name == "openvino-pld")
+    if name in ("llamacpp", "llamacpp-pld", "openvino", "openvino-pld"):
+        family = name.split("-")[0]
+        return PeerProcess(name, peer_model(name, model, openvino_model), max_tokens, (python or {}).get(family),
+                           max_num_seqs, ignore_eos)
     raise ValueError(f"unknown peer {name!r}")

@@ -1,7 +1,7 @@
 """Prefill speed side by side: one long prompt, one new token, time to first token.
 
     python -m draftwise.bench.prefill --tokens 1000 --threads 2 --peers openvino,llamacpp \\
-        --openvino-model ov-smollm2-int4
+        --peer-python openvino=ov-env/bin/python
 
 The prompt is ShareGPT text (the held-out split) cut to --tokens tokens of the target's tokenizer
 and sent as a raw prompt to every engine, so each reads the same tokens. draftwise runs with prefix
@@ -46,37 +46,15 @@ def draftwise_ttft(model: str, ids: list[int], repeats: int) -> float:
     return best
 
 
-def openvino_ttft(model_dir: str, ids: list[int], repeats: int) -> float:
-    import numpy as np
-    import openvino as ov
-    import openvino_genai as ov_genai
-    from draftwise.bench.peers import OpenVINOPeer
-    peer = OpenVINOPeer(model_dir, 1, prompt_lookup=False)       # the bench peer's pipeline and settings
-    pipe, cfg = peer.pipe, peer.cfg
-
-    def inputs(toks):
-        t = ov.Tensor(np.array([toks], dtype=np.int64))
-        return ov_genai.TokenizedInputs(t, ov.Tensor(np.ones((1, len(toks)), dtype=np.int64)))
-
-    pipe.generate(inputs(ids[:32]), cfg)
-    best = float("inf")
-    for _ in range(repeats):
-        res = pipe.generate(inputs(ids), cfg)
-        best = min(best, res.perf_metrics.get_ttft().mean / 1000.0)
-    return best
-
-
-def llamacpp_ttft(gguf: str, ids: list[int], repeats: int) -> float:
-    from llama_cpp import Llama
-    n = torch.get_num_threads()
-    llm = Llama(model_path=gguf, n_ctx=max(2048, len(ids) + 16), n_threads=n, n_threads_batch=n, verbose=False)
-    best = float("inf")
-    for _ in range(repeats):
-        llm.reset()
-        t0 = time.perf_counter()
-        llm.eval(ids)
-        best = min(best, time.perf_counter() - t0)
-    return best
+def peer_ttft(name: str, model: str, ids: list[int], repeats: int, openvino_model: str | None = None,
+              python: dict | None = None) -> float:
+    """A native peer's best time to first token over `ids` (its own process: peers.PeerProcess)."""
+    from draftwise.bench.peers import make_peer
+    peer = make_peer(name, model, 1, openvino_model, python)
+    try:
+        return peer.prefill(ids, repeats)
+    finally:
+        peer.close()
 
 
 def main(argv=None) -> dict:
@@ -86,24 +64,20 @@ def main(argv=None) -> dict:
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--peers", default="", help="comma list of openvino, llamacpp")
-    p.add_argument("--openvino-model", default=None)
+    p.add_argument("--openvino-model", default=None, help="an OpenVINO export (default: the model's GGUF file)")
+    p.add_argument("--peer-python", default=None, help="NAME=PATH[,NAME=PATH]: the Python that has a peer")
     a = p.parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)
     from draftwise.bench.step_cost import machine_line
-    from draftwise.models.loader import gguf_path_for, load_tokenizer, resolve_model_dir
+    from draftwise.models.loader import load_tokenizer, resolve_model_dir
     ids = long_prompt(load_tokenizer(resolve_model_dir(a.model)), a.tokens)
     times = {"draftwise": draftwise_ttft(a.model, ids, a.repeats)}
+    from draftwise.bench.run import peer_pythons
     for peer in filter(None, a.peers.split(",")):
-        if peer == "openvino":
-            if not a.openvino_model:
-                raise SystemExit("--peers openvino needs --openvino-model DIR")
-            times[peer] = openvino_ttft(a.openvino_model, ids, a.repeats)
-        elif peer == "llamacpp":
-            times[peer] = llamacpp_ttft(gguf_path_for(a.model) or a.model, ids,
-                                        a.repeats)
-        else:
+        if peer not in ("openvino", "llamacpp"):
             raise SystemExit(f"unknown peer {peer!r} (openvino, llamacpp)")
+        times[peer] = peer_ttft(peer, a.model, ids, a.repeats, a.openvino_model, peer_pythons(a))
     print(f"{machine_line()}; {torch.get_num_threads()} threads; prompt {len(ids)} tokens")
     out = {}
     for name, t in times.items():

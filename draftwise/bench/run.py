@@ -54,6 +54,8 @@ def add_bench_args(p) -> None:
     p.add_argument("--sweep", default=None, help="comma list of batch sizes: throughput sweep instead of one run")
     p.add_argument("--max-turns", type=int, default=2)
     p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="generate --max-tokens tokens for every request, past an end-of-sequence token")
     p.add_argument("--batch-size", type=int, default=1)
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--out", default="bench_out")
@@ -66,9 +68,12 @@ def add_bench_args(p) -> None:
                    help="target weights for every engine method without an @none/@int8/@int4 suffix (default: "
                         "auto, the engine's default - the model's own format, Q4_1 for the packaged GGUF)")
     p.add_argument("--rounds", type=int, default=1, help="sweep: repeat the sweep, report medians")
+    p.add_argument("--peer-python", default=None,
+                   help="NAME=PATH[,NAME=PATH]: the Python of the environment that has a peer (llamacpp, openvino), "
+                        "e.g. openvino=~/ov-env/bin/python (default: this interpreter)")
     p.add_argument("--openvino-model", default=None,
                    help="the openvino / openvino-pld peers: an OpenVINO model exported from the same weights "
-                        "(python -m draftwise.bench.openvino_export)")
+                        "(python -m draftwise.bench.openvino_export); default: the model's GGUF file")
 
 
 def _split_methods(s: str) -> list[str]:
@@ -161,7 +166,7 @@ def run_engine_method(name, spec, args, convs, bar=None, llm=None, quantization=
     own = llm is None
     if own:
         llm = build_engine_llm(spec, args, args.batch_size, quantization)
-    sp = SamplingParams(temperature=0, max_tokens=args.max_tokens)
+    sp = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=getattr(args, "ignore_eos", False))
     eng = llm.engine
     before = eng.spec_stats.as_dict()
     eng.runner.timer.reset()
@@ -205,6 +210,9 @@ def run_engine_method(name, spec, args, convs, bar=None, llm=None, quantization=
         res["proposer_breakdown_s"] = {k: round(v, 3) for k, v in prop.timings.items()}
     if eng.policy is not None:
         res["speculation_policy"] = eng.policy.table()
+    if eng.scheduler.draft_allocator is not None:
+        al = eng.scheduler.draft_allocator.table()
+        res["draft_allocation"] = {k: v for k, v in al.items() if k != "calibration"}
     if own:
         del llm, eng
         gc.collect()
@@ -232,33 +240,55 @@ class PhaseTimes:
                 "decode_tokens_per_s": self.decode_tokens / self.decode_s}
 
 
-def run_peer_method(name, args, convs, bar=None) -> dict:
-    from draftwise.bench.peers import make_peer
+def peer_pythons(args) -> dict:
+    """--peer-python NAME=PATH[,NAME=PATH]: the interpreter of the environment holding a peer."""
+    out = {}
+    for item in filter(None, (getattr(args, "peer_python", None) or "").split(",")):
+        name, sep, path = item.partition("=")
+        if not sep or name not in ("llamacpp", "openvino"):
+            raise ValueError(f"--peer-python takes NAME=PATH with NAME llamacpp or openvino, got {item!r}")
+        out[name] = path
+    return out
+
+
+def run_peer_method(name, args, convs, bar=None, max_num_seqs: int = 1) -> dict:
+    """A peer's row. A peer that cannot load, or whose process crashes, gives a row with its error
+    (and no speed); the other rows of the run are unaffected."""
+    from draftwise.bench.peers import PeerCrashed, make_peer
+    res = {"method": name, "spec": name, "output_tokens": 0, "time_s": 0.0, "tokens_per_s": 0.0,
+           "mean_acceptance_length": None, "acceptance_per_position": [], "outputs": [[] for _ in convs],
+           "ttft_mean_s": None, "decode_tokens_per_s": None}
     try:
-        peer = make_peer(name, args.model, args.max_tokens, getattr(args, "openvino_model", None))
+        peer = make_peer(name, args.model, args.max_tokens, getattr(args, "openvino_model", None),
+                         peer_pythons(args), max_num_seqs, getattr(args, "ignore_eos", False))
     except (ImportError, ValueError, RuntimeError) as e:
-        # a peer that cannot run stops the comparison: it never silently leaves the table
-        raise ValueError(f"peer {name!r} could not run: {e}") from None
+        return {**res, "error": f"could not run: {e}"}
     n_tokens, gen_time = 0, 0.0
     timing = PhaseTimes()
 
     def gen(hists):
         nonlocal n_tokens, gen_time
-        texts, ids = [], []
-        for h in hists:
-            t0 = time.perf_counter()
-            t, tid, pt = peer.generate(h)
-            gen_time += time.perf_counter() - t0
-            n_tokens += len(tid)
-            timing.add(len(tid), pt.ttft_s, pt.total_s)
-            texts.append(t)
-            ids.append(tid)
-        return texts, ids
+        t0 = time.perf_counter()
+        if max_num_seqs > 1:
+            answers = peer.generate_batch(hists)
+        else:
+            answers = [peer.generate(h) for h in hists]
+        gen_time += time.perf_counter() - t0
+        for _, tid, pt in answers:
+            n = pt.num_tokens if pt.num_tokens is not None else len(tid)
+            n_tokens += n
+            timing.add(n, pt.ttft_s, pt.total_s)
+        return [a[0] for a in answers], [a[1] for a in answers]
 
-    outputs = _chat_turns(None, convs, gen, args.max_turns, 1, bar)
-    res = {"method": name, "spec": name, "output_tokens": n_tokens, "time_s": gen_time,
-           "tokens_per_s": n_tokens / gen_time if gen_time else 0.0, "mean_acceptance_length": None,
-           "acceptance_per_position": [], "outputs": outputs, **timing.summary()}
+    try:
+        outputs = _chat_turns(None, convs, gen, args.max_turns, max(1, len(convs) if max_num_seqs > 1 else 1), bar)
+    except (PeerCrashed, RuntimeError) as e:
+        return {**res, "error": str(e)}
+    finally:
+        if hasattr(peer, "close"):
+            peer.close()
+    res.update({"output_tokens": n_tokens, "time_s": gen_time, "tokens_per_s": n_tokens / gen_time if gen_time else 0.0,
+                "outputs": outputs, **timing.summary()})
     if hasattr(peer, "weights"):
         res["quantization"] = peer.weights
     return res
@@ -301,6 +331,8 @@ def run_bench(args) -> list[dict]:
         r["greedy_reference"] = base["method"]
         pairs = [(a, b) for ca, cb in zip(base["outputs"], r["outputs"]) for a, b in zip(ca, cb)]
         r["greedy_match"] = sum(a == b for a, b in pairs) / len(pairs) if pairs else None
+        if r.get("error"):
+            r["greedy_match"] = None
     return results
 
 
@@ -328,6 +360,9 @@ def to_markdown(results: list[dict], args) -> str:
              "| acceptance per position | greedy == plain decoding (of) |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in results:
+        if r.get("error"):
+            lines.append(f"| {r['method']} | failed: {r['error'][:300]} |" + " |" * 7)
+            continue
         mal = f"{r['mean_acceptance_length']:.2f}" if r.get("mean_acceptance_length") else "–"
         pp = " ".join(f"{a:.2f}" for a in r.get("acceptance_per_position", [])) or "–"
         gm = r.get("greedy_match")
@@ -365,43 +400,73 @@ def plot(results: list[dict], path: str) -> None:
 
 
 def run_sweep(args) -> dict:
-    """Output tokens/s per method at each batch size (one turn, batch = number of prompts). One
-    engine per method serves every batch size; `--rounds` repeats the whole sweep (interleaving
-    methods at each size) and the median is reported, since timings drift on shared machines."""
+    """Output tokens/s per method at each batch size B: every prompt (one turn) submitted at once
+    to an engine serving at most B requests at a time (max_num_seqs = B), as a loaded server
+    would see them. Each run gets a fresh engine; `--rounds` repeats the runs, the methods
+    interleaved at each B (in reverse order every other round), and the median is reported, since timings drift on shared machines."""
     import copy
     import statistics
     convs = _setup_and_load(args)
+    if args.num_prompts:
+        convs = convs[:args.num_prompts]
     sizes = [int(x) for x in args.sweep.split(",")]
-    methods = [m for m in parse_methods(args.methods, getattr(args, "quantization", None)) if m[1] not in PEERS]
+    methods = parse_methods(args.methods, getattr(args, "quantization", None))
     if methods[0][0] != "ar":
         methods.insert(0, ("ar", None, getattr(args, "quantization", None)))
-    llms = {name: build_engine_llm(spec, args, max(sizes), q) for name, spec, q in methods}
     samples: dict = {}
-    for rnd in range(args.rounds):
-        for b in sizes:
-            a = copy.copy(args)
-            a.batch_size, a.max_turns = b, 1
-            for name, spec, _ in methods:
-                r = run_engine_method(name, spec, a, convs[:b], llm=llms[name])
+    errors: dict = {}
+    allocation: dict = {}
+    for b in sizes:
+        a = copy.copy(args)
+        a.batch_size, a.max_turns = len(convs), 1
+        for rnd in range(args.rounds):
+            # odd rounds run the methods in reverse order, so neither always runs first
+            for name, spec, q in (methods if rnd % 2 == 0 else methods[::-1]):
+                if spec in PEERS:
+                    if b > 1 and not str(spec).startswith("openvino"):
+                        continue                    # llama-cpp-python serves one request at a time
+                    r = run_peer_method(name, a, convs, max_num_seqs=b)
+                    if r.get("error"):
+                        errors[name] = r["error"]
+                        print(f"round {rnd} B={b} {name}: {r['error']}", flush=True)
+                        continue
+                else:
+                    # a fresh engine per run: a second pass over the same prompts would find the
+                    # first pass's outputs in the prefix and suffix caches
+                    llm = build_engine_llm(spec, args, b, q)
+                    r = run_engine_method(name, spec, a, convs, llm=llm)
+                    del llm
+                    gc.collect()
                 samples.setdefault(name, {}).setdefault(b, []).append(r["tokens_per_s"])
-                pol = r.get("speculation_policy")
-                print(f"round {rnd} B={b} {name}: {r['tokens_per_s']:.1f} tok/s"
-                      + (f" policy {pol}" if pol else ""), flush=True)
+                if r.get("draft_allocation"):
+                    allocation.setdefault(name, {})[b] = r["draft_allocation"]
+                print(f"round {rnd} B={b} {name}: {r['tokens_per_s']:.1f} tok/s", flush=True)
     table = {m: {b: statistics.median(v) for b, v in row.items()} for m, row in samples.items()}
-    return {"batch_sizes": sizes, "rounds": args.rounds, "tokens_per_s": table, "samples": samples}
+    # the ratio to plain decoding within each round (both ran minutes apart at most), median over
+    # rounds: steadier than the ratio of medians when the machine's speed drifts between rounds
+    ratios = {m: {b: statistics.median(x / y for x, y in zip(v, samples["ar"][b]))
+                  for b, v in row.items() if b in samples.get("ar", {})}
+              for m, row in samples.items() if m != "ar"}
+    return {"batch_sizes": sizes, "num_prompts": len(convs), "rounds": args.rounds, "tokens_per_s": table,
+            "ratio_to_ar": ratios,
+            "samples": samples, "draft_allocation": allocation, "errors": errors}
 
 
 def sweep_markdown(sw: dict) -> str:
     sizes = sw["batch_sizes"]
-    lines = ["| method | " + " | ".join(f"B={b}" for b in sizes) + " |", "|---|" + "---|" * len(sizes)]
-    base = sw["tokens_per_s"].get("ar", {})
+    lines = ["Output tokens/s, median of rounds (in brackets: the median over rounds of the ratio to `ar` in "
+             "the same round).", "",
+             "| method | " + " | ".join(f"B={b}" for b in sizes) + " |", "|---|" + "---|" * len(sizes)]
     for m, row in sw["tokens_per_s"].items():
         cells = []
         for b in sizes:
             v = row.get(b)
-            rel = f" ({v / base[b]:.2f}x)" if m != "ar" and base.get(b) else ""
+            ratio = sw.get("ratio_to_ar", {}).get(m, {}).get(b)
+            rel = f" ({ratio:.2f}x)" if ratio is not None else ""
             cells.append(f"{v:.1f}{rel}" if v is not None else "–")
         lines.append(f"| {m} | " + " | ".join(cells) + " |")
+    for m, err in sw.get("errors", {}).items():
+        lines.append(f"| {m} | failed: {err[:300]} |" + " |" * (len(sizes) - 1))
     return "\n".join(lines)
 
 

@@ -40,19 +40,75 @@ def test_bench_runs_methods_side_by_side(tmp_path):
     assert set(sw["tokens_per_s"]) == {"ar", "ngram"} and sw["batch_sizes"] == [1, 2]
 
 
-def test_a_peer_that_cannot_run_stops_the_comparison(tmp_path, capsys):
-    """A peer never silently leaves the table: the run stops with its error."""
+def test_a_peer_that_cannot_run_is_a_row_with_its_error(tmp_path):
+    """A peer never silently leaves the table: its row carries the error, the others their figures."""
     from tests.tokenizer_util import add_tiny_tokenizer
     model = str(tmp_path / "m")
     make_tiny_hf(model)
     add_tiny_tokenizer(model)
     q = tmp_path / "question.jsonl"
     q.write_text(json.dumps({"question_id": 0, "turns": ["hello"]}) + "\n")
+    out = str(tmp_path / "out")
     rc = main(["bench", "--model", model, "--methods", "ar,openvino", "--dataset", str(q), "--max-tokens", "4",
-               "--max-model-len", "128", "--out", str(tmp_path / "out"), "--openvino-model", str(tmp_path)])
-    assert rc != 0
-    err = capsys.readouterr().err
-    assert "peer 'openvino' could not run" in err and "Traceback" not in err
+               "--max-model-len", "128", "--out", out])
+    assert rc == 0
+    res = {r["method"]: r for r in json.load(open(os.path.join(out, "bench.json")))["results"]}
+    assert "needs a GGUF model" in res["openvino"]["error"] and res["ar"]["output_tokens"] > 0
+    assert "| openvino | failed: could not run" in open(os.path.join(out, "bench.md")).read()
+
+
+def _fake_peer_python(tmp_path, crash_on_generate: bool):
+    """An interpreter stand-in running a peer worker that loads, then (optionally) kills itself
+    with SIGKILL on its first request, as a native crash would."""
+    import sys
+    code = tmp_path / "fake_worker.py"
+    code.write_text(
+        "import json, os, signal, sys\n"
+        "print(json.dumps({'started': True}), flush=True)\n"
+        "sys.stdin.readline()\n"
+        "print(json.dumps({'ready': True, 'weights': 'gguf'}), flush=True)\n"
+        "for line in sys.stdin:\n"
+        f"    if {crash_on_generate}:\n"
+        "        sys.stderr.write('fatal: illegal instruction in the peer\\n'); sys.stderr.flush()\n"
+        "        os.kill(os.getpid(), signal.SIGKILL)\n"
+        "    n = len(json.loads(line)['prompts'])\n"
+        "    r = {'text': 'hi', 'ids': [1, 2], 'ttft_s': 0.01, 'total_s': 0.02, 'prompt_tokens': 3}\n"
+        "    print(json.dumps({'results': [r] * n, 'wall_s': 0.02}), flush=True)\n")
+    py = tmp_path / "fake-python"
+    py.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{code}"\n')
+    py.chmod(0o755)
+    return str(py)
+
+
+def test_a_peer_process_that_crashes_is_reported_and_ends_alone(tmp_path):
+    import pytest
+    from draftwise.bench.peers import PeerCrashed, PeerProcess
+    ok = PeerProcess("llamacpp", "x.gguf", 4, python=_fake_peer_python(tmp_path, False))
+    assert ok.generate([{"role": "user", "content": "hello"}])[1] == [1, 2] and ok.weights == "gguf"
+    ok.close()
+    peer = PeerProcess("llamacpp", "x.gguf", 4, python=_fake_peer_python(tmp_path, True))
+    with pytest.raises(PeerCrashed, match="signal 9.*illegal instruction"):
+        peer.generate([{"role": "user", "content": "hello"}])
+    peer.close()
+
+
+def test_a_crashing_peer_leaves_the_other_rows(tmp_path, monkeypatch):
+    from tests.tokenizer_util import add_tiny_tokenizer
+    import draftwise.bench.peers as peers
+    model = str(tmp_path / "m")
+    make_tiny_hf(model)
+    add_tiny_tokenizer(model)
+    monkeypatch.setattr(peers, "peer_model", lambda name, model, ov=None: "fake.gguf")
+    q = tmp_path / "question.jsonl"
+    q.write_text(json.dumps({"question_id": 0, "turns": ["hello"]}) + "\n")
+    out = str(tmp_path / "out")
+    rc = main(["bench", "--model", model, "--methods", "ar,llamacpp,ngram", "--dataset", str(q), "--max-tokens", "4",
+               "--max-model-len", "128", "--out", out, "--peer-python",
+               "llamacpp=" + _fake_peer_python(tmp_path, True)])
+    assert rc == 0
+    res = {r["method"]: r for r in json.load(open(os.path.join(out, "bench.json")))["results"]}
+    assert "signal 9" in res["llamacpp"]["error"]
+    assert res["ar"]["output_tokens"] > 0 and res["ngram"]["greedy_match"] == 1.0
 
 
 def test_step_cost_bench(tmp_path):
