@@ -4,7 +4,7 @@
 
 Sends `num_requests` completions (or chat) requests with at most `concurrency` in flight and prints
 throughput (requests/s, output tokens/s) and latency percentiles (end-to-end, and time to first
-token when streaming). Only loopback URLs are accepted unless --allow-remote is given.
+token and time per output token after it when streaming). Only loopback URLs are accepted unless --allow-remote is given.
 
 `--turns N` (chat): each of `num_requests` sessions is a conversation of N user turns (from
 --dataset, MT-bench / Spec-Bench question.jsonl, or follow-ups to the default prompts); turn k
@@ -66,7 +66,7 @@ async def _run(url: str, num_requests: int, concurrency: int, max_tokens: int, p
             r.raise_for_status()
             model = r.json()["data"][0]["id"]
         sem = asyncio.Semaphore(concurrency)
-        latencies, ttfts, follow_ttfts, errors = [], [], [], []
+        latencies, ttfts, follow_ttfts, errors, tpots = [], [], [], [], []
         tokens = {"prompt": 0, "completion": 0}
 
         async def session(i: int) -> None:
@@ -126,10 +126,14 @@ async def _run(url: str, num_requests: int, concurrency: int, max_tokens: int, p
                     usage = data.get("usage")
                     c = data["choices"][0]
                     text.append((c.get("message") or {}).get("content") or c.get("text") or "")
-                latencies.append(time.perf_counter() - t0)
+                end = time.perf_counter()
+                latencies.append(end - t0)
                 if usage:
                     tokens["prompt"] += usage["prompt_tokens"]
                     tokens["completion"] += usage["completion_tokens"]
+                    if stream and first is not None and usage["completion_tokens"] > 1:
+                        # time per output token after the first
+                        tpots.append((end - first) / (usage["completion_tokens"] - 1))
             except Exception as e:          # noqa: BLE001 - count and go on
                 errors.append(str(e) or type(e).__name__)
                 return None
@@ -156,6 +160,9 @@ async def _run(url: str, num_requests: int, concurrency: int, max_tokens: int, p
     if stream:
         res["ttft_p50_s"] = _percentile(ttfts, 50)
         res["ttft_p99_s"] = _percentile(ttfts, 99)
+        if tpots:
+            res["tpot_p50_s"] = _percentile(tpots, 50)
+            res["tpot_p99_s"] = _percentile(tpots, 99)
         if follow_ttfts:
             res["follow_up_ttft_p50_s"] = _percentile(follow_ttfts, 50)
             res["follow_up_ttft_p99_s"] = _percentile(follow_ttfts, 99)
@@ -216,6 +223,9 @@ def format_results(r: dict) -> str:
              f"mean {r['latency_mean_s'] * 1000:.0f} ms"]
     if "ttft_p50_s" in r:
         lines.append(f"time to first token: p50 {r['ttft_p50_s'] * 1000:.0f} ms, p99 {r['ttft_p99_s'] * 1000:.0f} ms")
+    if "tpot_p50_s" in r:
+        lines.append(f"time per output token after the first: p50 {r['tpot_p50_s'] * 1000:.1f} ms, "
+                     f"p99 {r['tpot_p99_s'] * 1000:.1f} ms")
     if "follow_up_ttft_p50_s" in r:
         lines.append(f"time to first token, follow-up turns: p50 {r['follow_up_ttft_p50_s'] * 1000:.0f} ms, "
                      f"p99 {r['follow_up_ttft_p99_s'] * 1000:.0f} ms")

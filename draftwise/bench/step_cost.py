@@ -1,10 +1,11 @@
 """What one target step costs, by query rows: the measurement speculation lives or dies by.
 
     draftwise bench step-cost [--formats fp32,bf16,int8,int4] [--threads 1,2] [--rows 1,2,4,8,16,32]
-                              [--contexts 128,1024] [--compiled] [--out bench_out/step_cost]
+                              [--contexts 128,1024] [--requests 1,16] [--compiled] [--out bench_out/step_cost]
 
-For one request with `context` tokens in the KV cache feeding M new rows (M = 1: plain decoding;
-M = K + 1: verifying K drafts), each weight format and thread count: the full target step (layers +
+For one request (or B requests, `--requests`: the batch shapes a loaded server runs) with `context`
+tokens in the KV cache feeding M new rows each (M = 1: plain decoding; M = K + 1: verifying K
+drafts), each weight format and thread count: the full target step (layers +
 LM head on every row, `ModelRunner.measure_target_costs`, the same code the adaptive policy's cost
 table reads) plus greedy acceptance, and where its time goes - layer linears, attention (KV writes
 and reads included), other ops (norms, RoPE, residuals, embedding, casts), Python / dispatch (the
@@ -81,17 +82,18 @@ def _split(runner, inputs, lm_head_rows: torch.Tensor) -> dict[str, float]:
 
 @torch.inference_mode()
 def measure_format(fmt: str, model: str, threads: list[int], rows: list[int], contexts: list[int],
-                   compiled: bool, repeats: int) -> list[dict]:
+                   compiled: bool, repeats: int, requests: list[int] = (1,)) -> list[dict]:
     from draftwise import LLM
     from draftwise.kernels import forced_isa
     kw = dict(FORMATS[fmt])
     with forced_isa(kw.pop("isa", None)):
-        llm = LLM(model, max_model_len=max(contexts) + max(rows) + 64, max_num_seqs=1,
+        llm = LLM(model, max_model_len=max(contexts) + max(rows) + 64, max_num_seqs=max(requests),
                   speculative_config=None, enforce_eager=not compiled, **kw)
-        return _measure(llm, fmt, threads, rows, contexts, repeats)
+        return [r for b in requests for r in _measure(llm, fmt, threads, rows, contexts, repeats, b)]
 
 
-def _measure(llm, fmt: str, threads: list[int], rows: list[int], contexts: list[int], repeats: int) -> list[dict]:
+def _measure(llm, fmt: str, threads: list[int], rows: list[int], contexts: list[int], repeats: int,
+             requests: int = 1) -> list[dict]:
     from draftwise.kernels import row_argmax
     from draftwise.sample.rejection_sampler import greedy_rejection_sample
     runner = llm.engine.runner
@@ -100,14 +102,15 @@ def _measure(llm, fmt: str, threads: list[int], rows: list[int], contexts: list[
         torch.set_num_threads(th)
         for ctx in contexts:
             # every row count sampled alike, in interleaved rounds (ratios within one run)
-            totals = runner.measure_target_costs(rows, repeats=repeats, context=ctx, large_repeats=None)
+            totals = runner.measure_target_costs(rows, repeats=repeats, context=ctx, large_repeats=None,
+                                                 num_requests=requests)
             for m in rows:
                 total = totals[m]
-                inputs = runner.scratch_step_inputs(m, ctx)
+                inputs = runner.scratch_step_inputs(m, ctx, requests)
                 h, _ = runner.model.run_layers(*inputs[:3], runner.kv_cache)
                 best_head = best_layers = best_sample = float("inf")
-                drafts = torch.zeros(1, max(m - 1, 1), dtype=torch.long)
-                nd = torch.tensor([m - 1])
+                drafts = torch.zeros(requests, max(m - 1, 1), dtype=torch.long)
+                nd = torch.full((requests,), m - 1)
                 for _ in range(repeats):
                     t0 = time.perf_counter()
                     runner.model.run_layers(*inputs[:3], runner.kv_cache)
@@ -120,13 +123,13 @@ def _measure(llm, fmt: str, threads: list[int], rows: list[int], contexts: list[
                                                            min(best_sample, t3 - t2))
                 split = _split(runner, inputs, inputs[3])
                 scale = best_layers / max(sum(split.values()), 1e-9)    # profiler overhead removed
-                row = {"format": fmt, "threads": th, "context": ctx, "rows": m,
+                row = {"format": fmt, "threads": th, "context": ctx, "rows": m, "requests": requests,
                        "step_ms": (total + best_sample) * 1e3}
                 row.update({k + "_ms": v * scale * 1e3 for k, v in split.items()})
                 row["lm_head_ms"] = best_head * 1e3
                 row["sampling_ms"] = best_sample * 1e3
                 out.append(row)
-                print(f"  {fmt} {th} thr ctx {ctx} M={m}: {row['step_ms']:.1f} ms", flush=True)
+                print(f"  {fmt} {th} thr ctx {ctx} B={requests} M={m}: {row['step_ms']:.1f} ms", flush=True)
     del llm
     return out
 
@@ -134,15 +137,16 @@ def _measure(llm, fmt: str, threads: list[int], rows: list[int], contexts: list[
 def format_table(rows: list[dict]) -> str:
     lines = []
     for ctx in sorted({r["context"] for r in rows}):
-        lines.append(f"\ncontext {ctx} tokens: full target step in ms (ratio to M=1), then the split at the "
-                     "largest M")
+        lines.append(f"\ncontext {ctx} tokens: full target step in ms (ratio to M=1; with B requests, each feeds "
+                     "M rows), then the split at the largest M")
         ms = sorted({r["rows"] for r in rows})
         lines.append("| weights | threads | " + " | ".join(f"M={m}" for m in ms)
                      + " | linears | attention | other ops | python | LM head | sampling |")
         lines.append("|---|---|" + "---|" * (len(ms) + 6))
-        for fmt in dict.fromkeys(r["format"] for r in rows):
+        for fmt, b in dict.fromkeys((r["format"], r.get("requests", 1)) for r in rows):
             for th in sorted({r["threads"] for r in rows}):
-                pts = {r["rows"]: r for r in rows if r["format"] == fmt and r["threads"] == th and r["context"] == ctx}
+                pts = {r["rows"]: r for r in rows if r["format"] == fmt and r.get("requests", 1) == b
+                       and r["threads"] == th and r["context"] == ctx}
                 if not pts:
                     continue
                 base = pts[ms[0]]["step_ms"]
@@ -151,7 +155,8 @@ def format_table(rows: list[dict]) -> str:
                 big = pts[ms[-1]]
                 split = [big["linears_ms"], big["attention_ms"], big["other ops_ms"], big["python / dispatch_ms"],
                          big["lm_head_ms"], big["sampling_ms"]]
-                lines.append(f"| {fmt} | {th} | " + " | ".join(cells) + " | " + " | ".join(f"{x:.1f}" for x in split)
+                label = fmt if b == 1 else f"{fmt}, {b} requests"
+                lines.append(f"| {label} | {th} | " + " | ".join(cells) + " | " + " | ".join(f"{x:.1f}" for x in split)
                              + " |")
     return "\n".join(lines)
 
@@ -166,11 +171,13 @@ def plot(rows: list[dict], path: str, title: str) -> None:
     for i, ctx in enumerate(ctxs):
         for j, th in enumerate(threads):
             ax = axes[i][j]
-            for fmt in dict.fromkeys(r["format"] for r in rows):
+            for fmt, b in dict.fromkeys((r["format"], r.get("requests", 1)) for r in rows):
                 pts = sorted((r["rows"], r["step_ms"]) for r in rows
-                             if r["format"] == fmt and r["threads"] == th and r["context"] == ctx)
+                             if r["format"] == fmt and r.get("requests", 1) == b and r["threads"] == th
+                             and r["context"] == ctx)
                 if pts:
-                    ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=fmt)
+                    ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o",
+                            label=fmt if b == 1 else f"{fmt}, {b} requests")
             ax.set_xscale("log", base=2)
             ax.set_xlabel("query rows M (1 = plain decoding, K+1 = verifying K drafts)")
             ax.set_ylabel("target step, ms")
@@ -192,6 +199,8 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--rows", default="1,2,4,8,16,32")
     ap.add_argument("--contexts", default="128,1024")
+    ap.add_argument("--requests", default="1",
+                    help="batch shapes: B requests each feeding M rows after the context (e.g. 1,16)")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--compiled", action="store_true", help="compiled graphs (default: eager)")
     ap.add_argument("--out", default="bench_out/step_cost")
@@ -205,7 +214,8 @@ def main(argv=None) -> list[dict]:
     print(head, flush=True)
     rows = []
     for f in fmts:
-        rows += measure_format(f, a.model, ints(a.threads), ints(a.rows), ints(a.contexts), a.compiled, a.repeats)
+        rows += measure_format(f, a.model, ints(a.threads), ints(a.rows), ints(a.contexts), a.compiled, a.repeats,
+                               ints(a.requests))
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "step_cost.json"), "w") as fh:
         json.dump({"machine": head, "rows": rows}, fh, indent=1)

@@ -96,29 +96,35 @@ def _position_bucket(depth: int) -> int:
 
 @dataclass
 class AcceptanceCalibration:
-    """Online acceptance of draft nodes by (drafter, depth bucket, estimate bin): decayed counts
-    with the bin's own estimate as a prior of `prior_weight` observations."""
+    """Online acceptance of draft nodes by (drafter, depth bucket, estimate bin), with decayed
+    counts and two levels of shrinkage: a cell leans on its (drafter, depth bucket) group with the
+    weight of `prior_weight` observations, and a group leans on the mean estimate the drafter gave
+    its observed nodes (the node's own estimate before anything was observed). So a bin seen
+    rarely inherits what the drafter's nodes at that depth actually achieve, instead of trusting
+    the estimate - count-based estimates from a handful of occurrences are over-confident."""
     prior_weight: float = 4.0
     decay: float = 0.998
-    counts: dict = field(default_factory=dict)      # key -> [accepted, seen]
+    cells: dict = field(default_factory=dict)       # (source, depth bucket, bin) -> [accepted, seen]
+    groups: dict = field(default_factory=dict)      # (source, depth bucket) -> [accepted, seen, sum of estimates]
 
-    def _cell(self, source: str, depth: int, estimate: float) -> list[float]:
-        key = (source, _position_bucket(depth), _bin(estimate))
-        cell = self.counts.get(key)
-        if cell is None:
-            prior = (_bin(estimate) + 0.5) / NUM_BINS
-            cell = self.counts[key] = [self.prior_weight * prior, self.prior_weight]
-        return cell
+    def _group_rate(self, source: str, bucket: int, estimate: float) -> float:
+        acc, seen, sum_p = self.groups.get((source, bucket), (0.0, 0.0, 0.0))
+        prior = sum_p / seen if seen else estimate
+        return (acc + self.prior_weight * prior) / (seen + self.prior_weight)
+
+    def rate(self, source: str, depth: int, estimate: float) -> float:
+        bucket = _position_bucket(depth)
+        group = self._group_rate(source, bucket, estimate)
+        acc, seen = self.cells.get((source, bucket, _bin(estimate)), (0.0, 0.0))
+        return (acc + self.prior_weight * group) / (seen + self.prior_weight)
 
     def estimates(self, draft: Draft) -> list[float]:
         """Calibrated probability that each node (creation order) is accepted, made
         non-increasing along the creation order (what the prefix truncation needs)."""
         raw = draft.probs if draft.probs is not None else [1.0] * len(draft)
-        depth = _depths(draft.parents)
         out, prev = [], 1.0
-        for p, d in zip(raw, depth):
-            acc, seen = self._cell(draft.source, d, float(p))
-            prev = min(prev, acc / seen)
+        for p, d in zip(raw, _depths(draft.parents)):
+            prev = min(prev, self.rate(draft.source, d, float(p)))
             out.append(prev)
         return out
 
@@ -131,19 +137,25 @@ class AcceptanceCalibration:
             return
         raw = draft.probs if draft.probs is not None else [1.0] * len(draft)
         for j, p in enumerate(raw):
-            cell = self._cell(draft.source, j, float(p))
-            cell[0] = cell[0] * self.decay + (1.0 if j < num_accepted else 0.0)
+            bucket, hit = _position_bucket(j), 1.0 if j < num_accepted else 0.0
+            cell = self.cells.setdefault((draft.source, bucket, _bin(float(p))), [0.0, 0.0])
+            cell[0] = cell[0] * self.decay + hit
             cell[1] = cell[1] * self.decay + 1.0
+            group = self.groups.setdefault((draft.source, bucket), [0.0, 0.0, 0.0])
+            group[0] = group[0] * self.decay + hit
+            group[1] = group[1] * self.decay + 1.0
+            group[2] = group[2] * self.decay + float(p)
 
     def best_first_node(self) -> float:
-        """The highest calibrated acceptance any drafter's first node has (the prior's 0.95 before
-        anything is observed)."""
-        return max((a / n for (_, b, _), (a, n) in self.counts.items() if b == 0),
-                   default=(NUM_BINS - 0.5) / NUM_BINS)
+        """The highest calibrated acceptance a drafter's first node can have: the best observed
+        bin at depth 0, or 0.95 before anything is observed."""
+        rates = [self.rate(src, 0, (k + 0.5) / NUM_BINS) for (src, b, k) in self.cells if b == 0]
+        return max(rates, default=(NUM_BINS - 0.5) / NUM_BINS)
 
     def table(self) -> dict:
-        return {f"{s}/d{POSITION_BUCKETS[b]}/p{k / NUM_BINS:.1f}": round(a / n, 3)
-                for (s, b, k), (a, n) in sorted(self.counts.items())}
+        return {f"{s}/d{POSITION_BUCKETS[b]}/p{k / NUM_BINS:.1f}": round(self.rate(s, POSITION_BUCKETS[b],
+                                                                                  (k + 0.5) / NUM_BINS), 3)
+                for (s, b, k) in sorted(self.cells)}
 
 
 def _depths(parents: list[int]) -> list[int]:

@@ -121,20 +121,20 @@ class ModelRunner:
 
     @torch.inference_mode()
     def measure_target_costs(self, sizes, repeats: int = 3, context: int = 0,
-                             large_repeats: int | None = 2) -> dict[int, float]:
-        """Seconds per target forward (layers + LM head on every row) of one request feeding each
-        token count in `sizes` after `context` cached tokens, best of `repeats` (`large_repeats`
+                             large_repeats: int | None = 2, num_requests: int = 1) -> dict[int, float]:
+        """Seconds per target forward (layers + LM head on every row) of `num_requests` requests each
+        feeding each token count in `sizes` after `context` cached tokens, best of `repeats` (`large_repeats`
         for more than 8 tokens: the start-up measurement keeps those short; None = `repeats`), on
         scratch KV blocks (call before serving). Rounds visit every size in turn, so a slow spell
         of a shared machine lands on all sizes alike. The adaptive policy's cost table and
         `draftwise bench step-cost` both read this."""
         inputs = {}
         for n in sizes:
-            step = self.scratch_step_inputs(n, context)
+            step = self.scratch_step_inputs(n, context, num_requests)
             if step is None:
                 break
             inputs[n] = step
-        reps = {n: repeats if n <= 8 or large_repeats is None else large_repeats for n in inputs}
+        reps = {n: repeats if n * num_requests <= 8 or large_repeats is None else large_repeats for n in inputs}
         best = {n: float("inf") for n in inputs}
         for i in range(max(reps.values(), default=0) + 1):
             for n, step in inputs.items():

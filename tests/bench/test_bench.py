@@ -116,11 +116,12 @@ def test_step_cost_bench(tmp_path):
     make_tiny_hf(model)
     out = str(tmp_path / "sc")
     rc = main(["bench", "step-cost", "--model", model, "--formats", "fp32,int4", "--threads", "1",
-               "--rows", "1,4", "--contexts", "8,40", "--repeats", "2", "--out", out])
+               "--rows", "1,4", "--contexts", "8,40", "--requests", "1,3", "--repeats", "2", "--out", out])
     assert rc == 0
     data = json.load(open(os.path.join(out, "step_cost.json")))
     rows = data["rows"]
-    assert len(rows) == 2 * 2 * 2 and "capability" in data["machine"]
+    assert len(rows) == 2 * 2 * 2 * 2 and "capability" in data["machine"]
+    assert sorted({r["requests"] for r in rows}) == [1, 3]
     for r in rows:
         assert r["step_ms"] > 0 and r["linears_ms"] > 0 and r["lm_head_ms"] > 0
         assert {"attention_ms", "other ops_ms", "python / dispatch_ms", "sampling_ms"} <= set(r)
