@@ -222,17 +222,17 @@ class Scheduler:
         spec = self.config.speculative_config
         return bool(spec is not None and spec.draft_seeded_sampling and any(keeps_whole_drafts(r) for r in self.running))
 
-    def next_step_shape(self, budget: int | None = None) -> tuple[int, int]:
-        """(tokens besides drafts, requests that sample a token) of the next step as it stands:
-        every running request's pending tokens (one in decode), and the prefill a waiting request
-        would add, within the token budget."""
+    def next_step_shape(self, budget: int | None = None) -> tuple[int, int, int]:
+        """(tokens besides drafts, requests that sample a token, decode tokens) of the next step
+        as it stands: every running request's pending tokens (one in decode), and the prefill a
+        waiting request would add, within the token budget."""
         budget = self.config.max_num_batched_tokens if budget is None else budget
         pending = [r.num_tokens - r.num_computed_tokens for r in self.running]
         fixed = min(budget, sum(pending))
         sampled = sum(1 for n in pending if n <= 1)
         if self.waiting and len(self.running) < self.config.max_num_seqs:
             fixed = min(budget, fixed + sum(r.num_tokens - r.num_computed_tokens for r in self.waiting))
-        return fixed, sampled
+        return fixed, sampled, sampled
 
     def _allocate_drafts(self, budget: int) -> None:
         """Cut the running requests' drafts to the lengths that maximise the step's expected
@@ -241,13 +241,13 @@ class Scheduler:
         running = self.running
         if not any(r.draft for r in running):
             return
-        fixed, sampled = self.next_step_shape(budget)
+        fixed, sampled, decode = self.next_step_shape(budget)
         # a seeded sampled request verifies its whole draft: how many drafts it verifies decides
         # which random numbers it draws, and its seed must give the same tokens on every run
         pinned = [r.draft is not None and keeps_whole_drafts(r) for r in running]
         whole = [r.draft for r, pin in zip(running, pinned) if pin]
         drafts = [None if pin else r.draft for r, pin in zip(running, pinned)]
-        for r, d, k in zip(running, drafts, self.draft_allocator.choose(drafts, fixed, sampled, whole)):
+        for r, d, k in zip(running, drafts, self.draft_allocator.choose(drafts, fixed, sampled, whole, decode)):
             if d:
                 r.draft = d.truncated(k) if k else None
 

@@ -194,6 +194,7 @@ class DraftAllocator:
     """The scheduler's draft allocation: calibration, step costs and the per-step choice."""
 
     EXPLORE_EVERY = 8
+    MAX_EXPLORE_EVERY = 64
 
     def __init__(self, costs: StepCosts, calibration: AcceptanceCalibration | None = None):
         self.costs = costs
@@ -203,9 +204,19 @@ class DraftAllocator:
         self.kept = 0
         self.skipped = 0                   # steps whose drafting was skipped
         self._skips_in_row = 0
+        self._explore_every = self.EXPLORE_EVERY
+        self._exploring = False
         self.draft_seconds = 0.0           # decayed mean of a step's drafting seconds
 
-    def worth_drafting(self, fixed_tokens: int, sampled: int) -> bool:
+    def _credited(self, fixed_tokens: int, sampled: float, decode_tokens: int | None) -> float:
+        """`sampled`, with the step's prefill credited at the plain decoding rate of its decode
+        rows: prefill emits nothing now but is work the server needs, so a step carrying a prompt
+        chunk must not make drafts look cheap against an artificially low tokens/s."""
+        if decode_tokens and 0 < decode_tokens < fixed_tokens:
+            return sampled * self.costs(fixed_tokens) / self.costs(decode_tokens)
+        return sampled
+
+    def worth_drafting(self, fixed_tokens: int, sampled: int, decode_tokens: int | None = None) -> bool:
         """Whether drafting for the next step can pay: its single most promising node (the best
         calibrated first-node acceptance) must raise the step's expected tokens per second by more
         than drafting for the batch costs (decayed mean of measured drafting seconds). False
@@ -213,11 +224,15 @@ class DraftAllocator:
         if not self.costs or sampled <= 0:
             return True
         p = self.calibration.best_first_node()
+        sampled = self._credited(fixed_tokens, sampled, decode_tokens)
         base = sampled / self.costs(fixed_tokens)
         with_one = (sampled + p) / (self.costs(fixed_tokens + 1) + self.draft_seconds)
-        # every EXPLORE_EVERY-th skipped step drafts anyway, so the calibration keeps learning
-        # what drafts are worth now (text turns repetitive, the batch shrinks)
-        worth = with_one > base or self._skips_in_row + 1 >= self.EXPLORE_EVERY
+        # a skipped step still drafts now and then, so the calibration keeps learning what drafts
+        # are worth now (text turns repetitive, the batch shrinks): after EXPLORE_EVERY skipped
+        # steps, backing off to MAX_EXPLORE_EVERY while explorations keep nothing
+        explore = with_one <= base and self._skips_in_row + 1 >= self._explore_every
+        worth = with_one > base or explore
+        self._exploring = explore
         self._skips_in_row = 0 if worth else self._skips_in_row + 1
         self.skipped += not worth
         return worth
@@ -226,9 +241,12 @@ class DraftAllocator:
         self.draft_seconds += 0.1 * (seconds - self.draft_seconds)
 
     def choose(self, drafts: list[Draft | None], fixed_tokens: int, sampled: int,
-               whole: list[Draft] = ()) -> list[int]:
+               whole: list[Draft] = (), decode_tokens: int | None = None) -> list[int]:
         """Lengths to keep of each draft (0 for None); `whole` drafts are verified in full beside
-        them (their tokens and expected accepted tokens are part of the step)."""
+        them (their tokens and expected accepted tokens are part of the step); `decode_tokens`:
+        the step's decode rows, where the rest of `fixed_tokens` is prefill."""
+        if self.costs:
+            sampled = self._credited(fixed_tokens, sampled, decode_tokens)
         fixed_tokens += sum(len(d) for d in whole)
         sampled += sum(sum(self.calibration.estimates(d)) for d in whole)
         accept = [self.calibration.estimates(d) if d else [] for d in drafts]
@@ -239,6 +257,10 @@ class DraftAllocator:
         self.steps += 1
         self.offered += sum(len(a) for a in accept)
         self.kept += sum(lengths)
+        if self._exploring:
+            self._explore_every = (self.EXPLORE_EVERY if sum(lengths) else
+                                   min(self.MAX_EXPLORE_EVERY, 2 * self._explore_every))
+            self._exploring = False
         return lengths
 
     def observe(self, draft: Draft | None, num_accepted: int) -> None:

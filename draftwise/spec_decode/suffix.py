@@ -147,6 +147,8 @@ def build_draft(buf: np.ndarray, n: int, occ: np.ndarray, match_len: int, max_dr
             heapq.heappush(heap, (-p, tie, parent, tok, rows[col == tok], depth + 1))
             tie += 1
 
+    if not tree:
+        return _chain_draft(draft, conts, total, depth_limit, max_draft, min_token_prob)
     push_children(-1, np.arange(total), 0)
     while heap and len(draft) < max_draft:       # best-first by path probability
         negp, _, parent, tok, rows, depth = heapq.heappop(heap)
@@ -154,6 +156,46 @@ def build_draft(buf: np.ndarray, n: int, occ: np.ndarray, match_len: int, max_dr
         draft.parents.append(parent)
         draft.probs.append(float(-negp))
         push_children(len(draft) - 1, rows, depth)
+    return draft
+
+
+def _chain_draft(draft: Draft, conts: np.ndarray, total: int, depth_limit: int, max_draft: int,
+                 min_token_prob: float) -> Draft:
+    """The chain build_draft's best-first search yields (the most frequent continuation at each
+    depth, path probability = its occurrences / all occurrences), without the search: where every
+    remaining occurrence continues alike for several tokens - the common case, one occurrence
+    always - the whole run is taken at once."""
+    rows = np.arange(total)
+    depth, limit = 0, min(depth_limit, max_draft)
+    while depth < limit:
+        block = conts[rows, depth:limit]
+        agree = (block == block[0]).all(axis=0) & (block[0] != SEPARATOR)
+        run = int(np.argmin(agree)) if not agree.all() else len(agree)
+        if run:                                   # `run` tokens every remaining occurrence shares
+            p = len(rows) / total
+            if p < min_token_prob:
+                break
+            for t in block[0, :run].tolist():
+                draft.parents.append(len(draft.token_ids) - 1)
+                draft.token_ids.append(int(t))
+                draft.probs.append(p)
+            depth += run
+            continue
+        col = block[:, 0]
+        keep = col != SEPARATOR
+        if not keep.any():
+            break
+        vals, counts = np.unique(col[keep], return_counts=True)
+        j = int(np.argmax(counts))                # the first of the most frequent, as the search
+        p = counts[j] / total
+        if p < min_token_prob:
+            break
+        tok = int(vals[j])
+        draft.parents.append(len(draft.token_ids) - 1)
+        draft.token_ids.append(tok)
+        draft.probs.append(float(p))
+        rows = rows[col == tok]
+        depth += 1
     return draft
 
 

@@ -273,7 +273,7 @@ BAD = [
 ]
 
 
-def test_bad_inputs_get_400_and_server_keeps_serving(server, client):
+def test_bad_inputs_get_4xx_and_server_keeps_serving(server, client):
     before = scrape(server).get('draftwise_requests_total{outcome="rejected"}', 0)
     with httpx.Client(base_url=server.url, timeout=30) as h:
         for path, body, why in BAD:
@@ -281,7 +281,8 @@ def test_bad_inputs_get_400_and_server_keeps_serving(server, client):
                 r = h.post("/v1/" + path, content=body, headers={"content-type": "application/json"})
             else:
                 r = h.post("/v1/" + path, json=body)
-            assert r.status_code == 400, (why, r.status_code, r.text)
+            # an unknown model is a 404 model_not_found, as OpenAI and vLLM answer
+            assert r.status_code == (404 if why == "unknown model" else 400), (why, r.status_code, r.text)
             err = r.json()["error"]
             assert err["type"] == "invalid_request_error" and err["message"], why
             assert set(err) == {"message", "type", "param", "code"}, why
@@ -290,6 +291,9 @@ def test_bad_inputs_get_400_and_server_keeps_serving(server, client):
     assert scrape(server)['draftwise_requests_total{outcome="rejected"}'] == before + len(BAD)
     assert scrape(server)["draftwise_kv_blocks_used"] == 0
     # the official client surfaces them as BadRequestError
+    with pytest.raises(openai.NotFoundError, match="does not exist") as nf:
+        client.completions.create(model="nope", prompt="hi", max_tokens=2)
+    assert nf.value.code == "model_not_found"
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=NAME, messages=[], max_tokens=2)
     assert e.value.status_code == 400

@@ -78,6 +78,16 @@ def test_drafting_is_skipped_where_it_cannot_pay_but_still_explored():
         al.observe(d, 0)
     decisions = [al.worth_drafting(16, 16) for _ in range(16)]
     assert decisions.count(True) == 16 // DraftAllocator.EXPLORE_EVERY
+    # explorations that keep nothing back off: 8, 16, 32, ... skipped steps between them
+    al2 = DraftAllocator(StepCosts({1: 0.001, 64: 0.064}))
+    for _ in range(300):
+        al2.observe(d, 0)
+    explored = []
+    for step in range(8 + 16 + 32 + 64 + 64):
+        if al2.worth_drafting(16, 16):
+            explored.append(step)
+            assert al2.choose([d] * 16, 16, 16) == [0] * 16
+    assert explored == [7, 7 + 16, 7 + 16 + 32, 7 + 16 + 32 + 64, 7 + 16 + 32 + 64 + 64]
     cheap = DraftAllocator(StepCosts({1: 0.010, 64: 0.011}))   # memory-bound: verification is free
     assert all(cheap.worth_drafting(16, 16) for _ in range(16))
 
@@ -125,3 +135,15 @@ def test_seeded_sampled_requests_verify_whole_drafts():
     assert sched.must_draft()
     by_id = {s.request.request_id: s for s in sched.schedule().scheduled}
     assert by_id["s"].num_draft_tokens == 3 and by_id["p"].num_draft_tokens == 0
+
+
+def test_a_prefill_chunk_in_the_step_does_not_make_drafts_look_cheap():
+    """Prefill emits nothing now: without crediting it, a step carrying a prompt chunk has a low
+    tokens/s and any draft seems to raise it."""
+    al = DraftAllocator(StepCosts({1: 0.002, 64: 0.065, 128: 0.129}))     # 1 ms a token + 1 ms
+    d = [Draft.chain([1], "ngram", [0.5])] * 4
+    for _ in range(500):
+        al.observe(d[0], 0 if _ % 2 else 1)                                # accepted half the time
+    assert al.choose(d, 4, 4) == [0] * 4                                   # decode alone: no
+    assert al.choose(d, 64, 4, decode_tokens=4) == [0] * 4                 # with 60 prompt tokens: still no
+    assert al.choose(d, 64, 4) == [1] * 4                                  # (uncredited, it would draft)

@@ -117,3 +117,42 @@ def test_suffix_and_hybrid_config_errors(tiny_llama):
     for spec, match in bad:
         with pytest.raises(ValueError, match=match):
             LLM(path, speculative_config=spec)
+
+
+def _naive_chain(buf, n, occ, match_len, max_draft, min_prob):
+    """Reference: follow the most frequent continuation (the smallest token among ties) one depth
+    at a time; path probability = occurrences still on the path / all occurrences."""
+    from draftwise.spec_decode.suffix import SEPARATOR
+    depth_limit = min(max_draft, match_len)
+    rows, toks, probs = list(occ), [], []
+    for depth in range(depth_limit):
+        col = [int(buf[r + 1 + depth]) if r + 1 + depth < n else SEPARATOR for r in rows]
+        counts = {}
+        for t in col:
+            if t != SEPARATOR:
+                counts[t] = counts.get(t, 0) + 1
+        if not counts:
+            break
+        tok = min(counts, key=lambda t: (-counts[t], t))
+        if counts[tok] / len(occ) < min_prob:
+            break
+        toks.append(tok)
+        probs.append(counts[tok] / len(occ))
+        rows = [r for r, t in zip(rows, col) if t == tok]
+    return toks, probs
+
+
+def test_chain_drafts_follow_the_most_frequent_continuation():
+    import numpy as np
+    from draftwise.spec_decode.suffix import SEPARATOR, build_draft
+    rng = np.random.default_rng(0)
+    for _ in range(2000):
+        n = int(rng.integers(5, 60))
+        buf = rng.integers(0, int(rng.integers(2, 6)), n).astype(np.int64)
+        buf[rng.random(n) < 0.05] = SEPARATOR
+        occ = np.sort(rng.choice(n, size=int(rng.integers(1, min(n, 12))), replace=False))
+        md, ml, mp = int(rng.integers(1, 12)), int(rng.integers(1, 20)), float(rng.choice([0.0, 0.1, 0.3]))
+        d = build_draft(buf, n, occ, ml, md, 1.0, mp, False)
+        toks, probs = _naive_chain(buf, n, occ, ml, md, mp)
+        assert d.token_ids == toks and d.parents == list(range(-1, len(toks) - 1))
+        assert np.allclose(d.probs, probs)

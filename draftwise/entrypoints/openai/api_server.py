@@ -37,7 +37,7 @@ from draftwise.entrypoints.openai.serving import (COMPLETION_DEFAULT_MAX_TOKENS,
 
 logger = logging.getLogger("draftwise.serve")
 
-ERRORS = {code: {"model": P.ErrorResponse} for code in (400, 401, 413, 429, 503)}
+ERRORS = {code: {"model": P.ErrorResponse} for code in (400, 401, 404, 413, 429, 503)}
 _TYPE_ERRORS = ("int_type", "string_type", "bool_type", "float_type", "list_type", "dict_type", "model_type",
                 "int_parsing", "float_parsing", "literal_error", "model_attributes_type", "union_tag_invalid")
 
@@ -322,7 +322,7 @@ def build_app(llm, served_model_name: str, api_key: str | None = None, max_reque
     def _check_model(model: str | None) -> str:
         if model is not None and model != served_model_name:
             raise APIError(f"The model '{model}' does not exist; this server serves '{served_model_name}'.",
-                           param="model", code="model_not_found")
+                           status=404, param="model", code="model_not_found")
         return served_model_name
 
     async def _generate(request: Request, body: P.SamplingRequest, chat: bool):
