@@ -22,7 +22,7 @@ from torch import nn
 
 from draftwise.config import ModelConfig
 from draftwise.layers.attention import attend
-from draftwise.layers.fused_layer import fused_layer_forward, fused_rope_rows, fused_stack_forward
+from draftwise.layers.fused_layer import fused_layer_forward
 from draftwise.layers.norm import RMSNorm
 from draftwise.layers.rotary import RotaryEmbedding
 from draftwise.models.llama import MLP, Attention, LlamaForCausalLM, load_stacked_weights, require_all_loaded
@@ -87,22 +87,12 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         self.rotary = RotaryEmbedding(cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling)
         self.rotary_local = RotaryEmbedding(cfg.head_dim, max_position, cfg.rope_local_theta or cfg.rope_theta)
 
-    def run_layers(self, input_ids: torch.Tensor, positions: torch.Tensor, meta=None, kv_cache=None):
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         h = self.embed_tokens(input_ids)
-        h = h * torch.tensor(self.embed_scale, dtype=h.dtype)
-        captured, wanted = {}, self.aux_hidden_state_layers
-        rotaries = (self.rotary, self.rotary_local)
-        rope_rows = fused_rope_rows(self, positions, h, meta)
-        stacked = None if rope_rows is None else fused_stack_forward(self, h, rope_rows, meta, kv_cache, wanted)
-        if stacked is not None:                  # every layer in one C++ call (decode / verification)
-            h, captured = stacked
-        else:
-            for i, layer in enumerate(self.layers):
-                if i in wanted:
-                    captured[i] = h
-                h = layer(h, positions, meta, kv_cache, rotaries, rope_rows)
-        aux_t = torch.cat([captured[i] for i in wanted], dim=-1) if wanted else None
-        return self.norm(h), aux_t
+        return h * torch.tensor(self.embed_scale, dtype=h.dtype)      # scaled by sqrt(hidden)
+
+    def layer_rotary(self):
+        return (self.rotary, self.rotary_local)                      # global, sliding-window layers
 
     def load_weights(self, weights) -> None:
         plus_one = not self.config.extra.get("norms_include_one", False)

@@ -211,7 +211,7 @@ class LlamaForCausalLM(nn.Module):
                    meta: AttentionMetadata | None = None, kv_cache=None):
         """Embedding, decoder layers and final norm: (normed hidden [T, H], aux [T, k*H] or None).
         With meta=None attention reads the forward context (the compiled path)."""
-        h = self.embed_tokens(input_ids)
+        h = self.embed(input_ids)
         captured = {}
         wanted = self.aux_hidden_state_layers
         rope_rows = fused_rope_rows(self, positions, h, meta)
@@ -222,9 +222,17 @@ class LlamaForCausalLM(nn.Module):
             for i, layer in enumerate(self.layers):
                 if i in wanted:
                     captured[i] = h
-                h = layer(h, positions, meta, kv_cache, self.rotary, rope_rows)
+                h = layer(h, positions, meta, kv_cache, self.layer_rotary(), rope_rows)
         aux_t = torch.cat([captured[i] for i in wanted], dim=-1) if wanted else None
         return self.norm(h), aux_t
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The input embedding (a family may scale it)."""
+        return self.embed_tokens(input_ids)
+
+    def layer_rotary(self):
+        """What the decoder layers take as their RoPE (a family with local and global RoPE passes both)."""
+        return self.rotary
 
     def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
         return self.lm_head(h)
