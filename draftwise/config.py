@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-SUPPORTED_METHODS = ("eagle3", "dflash", "ngram", "suffix")
+SUPPORTED_METHODS = ("eagle3", "dflash", "draft_model", "ngram", "suffix")
 HYBRID_SOURCES = ("suffix", "ngram")
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
           "fp16": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
@@ -137,8 +137,8 @@ class SpeculativeConfig:
     method: str
     model: str | None = None
     num_speculative_tokens: int | None = None
-    # tree drafting (EAGLE-3 heads): topk 1 == chain. None (with num_speculative_tokens None): the
-    # shipped drafter's recommended preset (its config's "draftwise_speculative_config")
+    # tree drafting (EAGLE-3 heads, draft models): topk 1 == chain. None (with num_speculative_tokens
+    # None): the shipped drafter's recommended preset (its config's "draftwise_speculative_config")
     eagle_topk: int | None = None
     eagle_depth: int | None = None
     # n-gram
@@ -162,7 +162,7 @@ class SpeculativeConfig:
     suffix_decoding_datastore: str | None = "auto"
     # suffix decoding: verify a tree of candidates instead of the most likely chain
     draft_tree: bool = False
-    # hybrid drafting: "suffix" | "ngram" beside an eagle3 / dflash drafter
+    # hybrid drafting: "suffix" | "ngram" beside an eagle3 / dflash / draft_model drafter
     hybrid: str | None = None
     # False: requests sampled with a seed are decoded without drafts, so a seed gives the same
     # tokens whatever else is in the batch (drafts change how many random numbers a step uses)
@@ -223,9 +223,9 @@ class SpeculativeConfig:
         if self.hybrid is not None:
             if self.hybrid not in HYBRID_SOURCES:
                 raise ValueError(f"hybrid must be one of {', '.join(HYBRID_SOURCES)}, got {self.hybrid!r}")
-            if self.method not in ("eagle3", "dflash"):
-                raise ValueError(f"hybrid drafting pairs {self.hybrid!r} with a model drafter (method eagle3 or "
-                                 f"dflash), not {self.method!r}")
+            if self.method not in ("eagle3", "dflash", "draft_model"):
+                raise ValueError(f"hybrid drafting pairs {self.hybrid!r} with a model drafter (method eagle3, "
+                                 f"dflash or draft_model), not {self.method!r}")
         if self.rejection_sampler not in ("fused", "logits"):
             raise ValueError(f"rejection_sampler must be 'fused' or 'logits', got {self.rejection_sampler!r}")
         if self.eagle_topk is not None and (not isinstance(self.eagle_topk, int) or self.eagle_topk < 1):
@@ -233,8 +233,11 @@ class SpeculativeConfig:
         if self.eagle_depth is not None and (not isinstance(self.eagle_depth, int) or self.eagle_depth < 1):
             raise ValueError(f"eagle_depth must be an integer >= 1, got {self.eagle_depth!r}")
         topk = self.eagle_topk or 1
-        if topk > 1 and self.method != "eagle3":
-            raise ValueError("tree drafting (eagle_topk > 1) is available with method 'eagle3' only")
+        if topk > 1 and self.method not in ("eagle3", "draft_model"):
+            raise ValueError("tree drafting (eagle_topk > 1) is available with methods 'eagle3' and 'draft_model'")
+        if self.method == "draft_model" and not self.model:
+            raise ValueError("method 'draft_model' needs speculative_config['model']: a packaged model's short "
+                             "name, a GGUF file or a model directory with the target's tokenizer")
         if self.adaptive and topk > 1:
             raise ValueError("adaptive speculation length applies to chain drafting (eagle_topk = 1)")
         if self.method == "ngram":

@@ -153,12 +153,13 @@ def _stack(model, kv_cache):
     """The model's FusedStack over this KV cache (built once; rebuilt if the cache is replaced), or
     None where the attention kernel does not take this model's shapes."""
     from draftwise.kernels import attention_kernel_fits, load
-    k0 = kv_cache.layer(0)[0]
+    layers = model.layers
+    kv = [kv_cache.layer(layer.self_attn.layer_idx) for layer in layers]   # a drafter's layers sit past the target's
+    k0 = kv[0][0]
     key = (id(kv_cache), k0.data_ptr(), k0.dtype)
     cached = getattr(model, "_fused_stack", None)
     if cached is not None and cached[0] == key:
         return cached[1]
-    layers = model.layers
     attn = layers[0].self_attn
     stack = None
     if attention_kernel_fits(attn.head_dim, attn.num_heads // attn.num_kv_heads, k0):
@@ -166,7 +167,7 @@ def _stack(model, kv_cache):
         stack = load().FusedStack(
             [f.qkv for f in w], [f.o for f in w], [f.gate_up for f in w], [f.down for f in w],
             [f.in_norm for f in w], [f.mlp_norm for f in w],
-            [kv_cache.layer(i)[0] for i in range(len(layers))], [kv_cache.layer(i)[1] for i in range(len(layers))],
+            [k for k, _ in kv], [v for _, v in kv],
             [f.extras for f in w], [bool(f.window) for f in w],
             float(layers[0].input_layernorm.eps), attn.num_heads, attn.num_kv_heads, attn.head_dim, float(attn.scale))
     model._fused_stack = (key, stack)

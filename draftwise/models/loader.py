@@ -216,3 +216,33 @@ def load_tokenizer(path: str):
     except Exception as e:
         logger.warning("tokenizer in %s could not be loaded (%s); token-id prompts only", path, e)
         return None
+
+
+def load_draft_model(name: str, target_cfg: ModelConfig, target_dir: str, dtype: torch.dtype, device: str,
+                     max_position: int, fused: bool):
+    """A draft model for speculative decoding (spec_decode/draft_model.py): a packaged model's short
+    name, a GGUF file or a model directory, in its own weight format (a GGUF on its own blocks), with
+    the fused CPU layers when `fused` (eager steps). Its vocabulary must be the target's: the same
+    size, and where both carry a tokenizer, the same token for every id."""
+    if not (packaged_or_file(name) or os.path.isdir(name)):
+        raise ValueError(f"draft model {name!r} is neither a packaged model's short name, a .gguf file nor "
+                         "a model directory")
+    quantization = native_quantization(name)
+    model, cfg, path = load_target_model(name, dtype, device, max_position=max_position, quantization=quantization)
+    if cfg.vocab_size != target_cfg.vocab_size:
+        raise ValueError(f"draft model {name!r} has a vocabulary of {cfg.vocab_size} tokens, the target "
+                         f"{target_cfg.vocab_size}: a draft model must share the target's tokenizer")
+    mine, theirs = load_tokenizer(path), load_tokenizer(target_dir)
+    if mine is not None and theirs is not None and mine.get_vocab() != theirs.get_vocab():
+        raise ValueError(f"draft model {name!r} has another tokenizer than the target (the same vocabulary "
+                         "size, different tokens): a draft model must share the target's tokenizer")
+    if quantization is not None and fused and hasattr(model, "layers"):
+        from draftwise.layers.fused_layer import enable_fused_layers
+        enable_fused_layers(model)
+    return model, cfg
+
+
+def packaged_or_file(name: str) -> bool:
+    """A packaged model's short name, or an existing .gguf file."""
+    from draftwise.models.packaged import packaged_model
+    return packaged_model(name) is not None or (name.endswith(".gguf") and os.path.isfile(name))

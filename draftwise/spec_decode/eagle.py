@@ -101,7 +101,7 @@ class EagleProposer(Proposer):
         logits = self.logits_step(h)
         if self.topk > 1:
             from draftwise.spec_decode.tree import draft_trees
-            trees = draft_trees(self, logits, h, inp, sel, kv_cache, block_size, num_spec_tokens)
+            trees = draft_trees(self, logits, h, inp, sel, kv_cache, block_size, num_spec_tokens, d2t=self.model.d2t)
             for j, i in enumerate(want):
                 out[i] = Draft.from_tree(trees[j], self.method)
             return out

@@ -81,6 +81,8 @@ def apply_drafter_preset(spec: SpeculativeConfig, raw: dict, path: str) -> None:
 
 def _model_proposer(spec: SpeculativeConfig, target_model, target_cfg: ModelConfig, cfg: EngineConfig,
                     model_path: str):
+    if spec.method == "draft_model":
+        return _draft_model_proposer(spec, target_cfg, cfg, model_path)
     path = spec.model
     if path is None:
         path = shipped_drafter(model_path, target_cfg, spec.method)
@@ -111,3 +113,16 @@ def _model_proposer(spec: SpeculativeConfig, target_model, target_cfg: ModelConf
                              f"checkpoint: block_size={block} gives block_size - 1 = {block - 1} draft tokens")
         return DFlashProposer(draft, raw, target_model, target_cfg)
     raise ValueError(f"unknown speculative method {spec.method!r}")
+
+
+def _draft_model_proposer(spec: SpeculativeConfig, target_cfg: ModelConfig, cfg: EngineConfig, model_path: str):
+    from draftwise.models.loader import load_draft_model
+    from draftwise.spec_decode.draft_model import DraftModelProposer
+    if cfg.tensor_parallel_size > 1:
+        raise ValueError("method 'draft_model' runs on one process: tensor_parallel_size > 1 is not supported")
+    draft, _ = load_draft_model(spec.model, target_cfg, model_path, cfg.torch_dtype, cfg.device,
+                                cfg.max_model_len + 512, fused=cfg.enforce_eager)
+    if spec.eagle_topk is None:
+        spec.eagle_topk = 1
+    return DraftModelProposer(draft, spec.num_speculative_tokens, spec.eagle_topk, spec.eagle_depth,
+                              max_rows_per_pass=cfg.max_num_batched_tokens)

@@ -210,18 +210,21 @@ class TokenTree:
 
 # --- drafting --------------------------------------------------------------------------------------
 def draft_trees(proposer, logits: torch.Tensor, h: torch.Tensor, inp, sel: torch.Tensor, kv_cache,
-                block_size: int, num_spec_tokens: int) -> list[TreeDraft]:
+                block_size: int, num_spec_tokens: int, d2t: torch.Tensor | None = None,
+                entry_shift: int = 0) -> list[TreeDraft]:
     """One TreeDraft per wanted request. logits [n, draft_vocab] / h [n, H]: the draft's outputs at
-    each wanted request's last valid row (they predict the root's children)."""
-    model = proposer.model
+    each wanted request's last valid row (they predict the root's children); `d2t` maps draft ids
+    to target ids. `entry_shift` moves every tree entry and RoPE position: 0 for EAGLE (the root is
+    fed one position early, beside the target's hidden state), 1 for a draft model, which fed the
+    root at its own position and entry `seq_len`."""
     dev = logits.device
     n = logits.shape[0]
     k = max(1, min(proposer.topk, logits.shape[-1]))
     depth = max(1, proposer.depth)
     want = sel.tolist()
     bt = inp.block_tables[sel]
-    seq = torch.tensor([inp.seq_lens[i] for i in want], dtype=torch.long, device=dev)  # root's entry/position
-    tree = TokenTree(k, model.d2t)
+    seq = torch.tensor([inp.seq_lens[i] + entry_shift for i in want], dtype=torch.long, device=dev)
+    tree = TokenTree(k, d2t)
     top = torch.log_softmax(logits.float(), -1).topk(k, dim=-1)
     tree.init(top.indices, top.values)
     req = torch.arange(n, device=dev).repeat_interleave(k)

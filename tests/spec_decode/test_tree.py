@@ -246,8 +246,8 @@ def test_tree_drafting_matches_chain_recurrence(tiny_llama, tree_head, monkeypat
     calls = []
     orig = T.draft_trees
 
-    def spy(proposer, logits, h, inp, sel, kv_cache, block_size, k):
-        trees = orig(proposer, logits, h, inp, sel, kv_cache, block_size, k)
+    def spy(proposer, logits, h, inp, sel, kv_cache, block_size, k, **kw):
+        trees = orig(proposer, logits, h, inp, sel, kv_cache, block_size, k, **kw)
         calls.append((proposer, logits.clone(), h.clone(), inp, sel.clone(), kv_cache, block_size, trees))
         return trees
 
@@ -300,8 +300,8 @@ def test_tree_oracle_acceptance_and_draft_state(tiny_llama, tree_head, monkeypat
     orig_draft, orig_compact = T.draft_trees, T.compact_tree_kv
     states, moved = [], []
 
-    def oracle(proposer, logits, h, inp, sel, kv_cache, block_size, k):
-        trees = orig_draft(proposer, logits, h, inp, sel, kv_cache, block_size, k)
+    def oracle(proposer, logits, h, inp, sel, kv_cache, block_size, k, **kw):
+        trees = orig_draft(proposer, logits, h, inp, sel, kv_cache, block_size, k, **kw)
         for j, i in enumerate(sel.tolist()):
             seq = full[tuple(inp.requests[i].prompt_token_ids)]
             L, tree = inp.seq_lens[i], trees[j]
@@ -330,10 +330,10 @@ def test_tree_oracle_acceptance_and_draft_state(tiny_llama, tree_head, monkeypat
     monkeypatch.setattr(T, "draft_trees", orig_draft)
     got = {}
 
-    def spy(proposer, logits, h, inp, sel, kv_cache, block_size, k):
+    def spy(proposer, logits, h, inp, sel, kv_cache, block_size, k, **kw):
         for j, i in enumerate(sel.tolist()):
             got[tuple(inp.requests[i].prompt_token_ids)] = h[j].clone()
-        return orig_draft(proposer, logits, h, inp, sel, kv_cache, block_size, k)
+        return orig_draft(proposer, logits, h, inp, sel, kv_cache, block_size, k, **kw)
 
     monkeypatch.setattr(T, "draft_trees", spy)
     later = [(p, hh) for p, hh, n_out in states if n_out >= 3][::3][:12]

@@ -1,0 +1,180 @@
+"""DraftModelProposer: a smaller language model with the target's tokenizer drafts for it (vLLM's
+`draft_model`, llama.cpp's `--model-draft`, OpenVINO GenAI's "fast draft").
+
+The draft model's K/V lives in the engine's paged pool as extra layers (`layers.N …`), addressed by
+the request's own block table, so a draft token sits at the same position and cache entry as the
+target's token there. Rolling back rejected drafts needs no copy: the proposer remembers per request
+how many leading positions of its cache are right (`synced`), and each step feeds the draft model
+the positions from there on - the tokens the target kept, then the newest token (the root of the
+next draft, at its own position). Rejected draft entries beyond `synced` are simply overwritten.
+Steps the engine runs without drafting, chunked prompts and prefix-cache hits are caught up the same
+way (the draft model's cache entries of a shared block are not trusted: a request starts from 0),
+and a preempted request starts again from 0.
+
+Chain drafting: one pass over every request's catch-up rows and its root yields the first draft
+token (greedy), then K-1 one-row passes. Tree drafting (draft_topk > 1): the root's top-k and then
+`depth` levels of the global top-k frontier, all requests batched per level with TREE attention
+(spec_decode/tree.py `draft_trees`, entries shifted by one past the root). Drafts carry the draft
+model's path probability (the product of its top-1 probabilities), which the draft allocation
+calibrates per source and depth."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from draftwise.kernels import row_argmax
+from draftwise.layers.attention import CAUSAL, AttentionMetadata, slots_for_positions
+from draftwise.spec_decode.draft import Draft
+from draftwise.spec_decode.proposer import Proposer, ProposerInput
+
+
+@dataclass
+class _Segment:
+    """Rows of one request fed to the draft model in one pass."""
+    row: int                 # the request's index in the ProposerInput (its block table row)
+    start: int               # position of the first row
+    tokens: list[int]        # token ids at start, start + 1, ...
+    root: bool               # the last row is the draft's root: its logits are wanted
+
+
+class DraftModelProposer(Proposer):
+    method = "draft_model"
+
+    def __init__(self, draft, num_speculative_tokens: int, topk: int = 1, depth: int | None = None,
+                 max_rows_per_pass: int = 512):
+        self.draft = draft                     # a target-family model (models/registry.py)
+        self.k = num_speculative_tokens
+        self.topk = topk
+        self.depth = depth or num_speculative_tokens
+        self.max_rows = max(1, max_rows_per_pass)
+        self._synced: dict[str, tuple[int, int]] = {}    # request id -> (num_preemptions, synced)
+        if topk > 1:      # tree verification writes 1 + K nodes; tree drafting (depth-1)*topk past the root
+            self.num_lookahead_tokens = max(self.k + 1, topk * self.depth + 1)
+        else:
+            self.num_lookahead_tokens = self.k + 1
+
+    # the passes draft_trees calls: the draft model has no hidden-state input
+    def layer_step(self, ids, positions, hidden, meta, kv_cache):
+        h, _ = self.draft.run_layers(ids, positions, meta, kv_cache)
+        return h
+
+    def logits_step(self, h):
+        return self.draft.compute_logits(h)
+
+    def kv_layer_specs(self):
+        c = self.draft.config
+        return [(self.draft.num_local_kv_heads, c.head_dim)] * c.num_hidden_layers
+
+    def bind_kv_cache(self, first_layer: int) -> None:
+        for i, layer in enumerate(self.draft.layers):
+            layer.self_attn.layer_idx = first_layer + i
+
+    def on_request_finished(self, request) -> None:
+        self._synced.pop(request.request_id, None)
+
+    # ------------------------------------------------------------------------------------------
+    def _segments(self, inp: ProposerInput) -> list[_Segment]:
+        """Per request: the positions from its first stale draft entry up to its newest token,
+        plus the root where a draft is wanted."""
+        segs = []
+        offsets = [0]
+        for q in inp.query_lens:
+            offsets.append(offsets[-1] + q)
+        step_tokens = inp.token_ids.tolist()
+        for i, req in enumerate(inp.requests):
+            seq = inp.seq_lens[i]
+            first = seq - inp.query_lens[i]          # position of this step's first valid row
+            pre, synced = self._synced.get(req.request_id, (req.num_preemptions, 0))
+            if pre != req.num_preemptions:
+                synced = 0
+            synced = min(synced, seq)
+            if synced < first:
+                tokens = list(req.all_token_ids[synced:first]) + step_tokens[offsets[i]:offsets[i + 1]]
+            else:
+                tokens = step_tokens[offsets[i] + synced - first:offsets[i + 1]]
+            want = inp.want_draft[i]
+            if want:
+                tokens.append(int(inp.next_token_ids[i]))
+            if tokens:
+                segs.append(_Segment(i, synced, tokens, want))
+            self._synced[req.request_id] = (req.num_preemptions, seq + int(want))
+        return segs
+
+    def _feed(self, segs: list[_Segment], inp: ProposerInput, kv_cache, block_size: int) -> dict[int, torch.Tensor]:
+        """Run the draft model over the segments in passes of at most max_rows rows (a segment may
+        span passes, in order); returns each root segment's final hidden state by request row."""
+        dev = inp.token_ids.device
+        roots: dict[int, torch.Tensor] = {}
+        pending = [(s, 0) for s in segs]           # (segment, rows of it already fed)
+        while pending:
+            batch, room, rest = [], self.max_rows, []
+            for s, done in pending:
+                if room == 0:
+                    rest.append((s, done))
+                    continue
+                n = min(room, len(s.tokens) - done)
+                batch.append((s, done, n))
+                room -= n
+                if done + n < len(s.tokens):
+                    rest.append((s, done + n))
+            ids = torch.tensor([t for s, d, n in batch for t in s.tokens[d:d + n]], dtype=torch.long, device=dev)
+            pos = torch.cat([torch.arange(s.start + d, s.start + d + n) for s, d, n in batch]).to(dev)
+            rows = torch.tensor([s.row for s, _, _ in batch], dtype=torch.long, device=dev)
+            bt = inp.block_tables[rows]
+            qlens = [n for _, _, n in batch]
+            seg_index = torch.repeat_interleave(torch.arange(len(batch), device=dev), torch.tensor(qlens, device=dev))
+            slots = slots_for_positions(bt, seg_index, pos, block_size)
+            seq_lens = [s.start + d + n for s, d, n in batch]
+            meta = AttentionMetadata(slots, qlens, seq_lens, bt, block_size, CAUSAL).finalize()
+            h, _ = self.draft.run_layers(ids, pos, meta, kv_cache)
+            ends = torch.cumsum(torch.tensor(qlens), 0) - 1
+            for j, (s, d, n) in enumerate(batch):
+                if s.root and d + n == len(s.tokens):
+                    roots[s.row] = h[int(ends[j])]
+            pending = rest
+        return roots
+
+    @torch.inference_mode()
+    def propose(self, inp: ProposerInput, kv_cache, block_size: int, num_spec_tokens: int):
+        R = len(inp.query_lens)
+        out: list[Draft | None] = [None] * R
+        roots = self._feed(self._segments(inp), inp, kv_cache, block_size)
+        want = [i for i in range(R) if inp.want_draft[i] and i in roots]
+        if not want or num_spec_tokens <= 0:
+            return out
+        dev = inp.token_ids.device
+        sel = torch.tensor(want, device=dev)
+        h = torch.stack([roots[i] for i in want])
+        logits = self.logits_step(h)
+        if self.topk > 1:
+            from draftwise.spec_decode.tree import draft_trees
+            trees = draft_trees(self, logits, h, inp, sel, kv_cache, block_size, num_spec_tokens, entry_shift=1)
+            for j, i in enumerate(want):
+                out[i] = Draft.from_tree(trees[j], self.method)
+            return out
+        n = len(want)
+        bt = inp.block_tables[sel]
+        ar = torch.arange(n, device=dev)
+        pos = torch.tensor([inp.seq_lens[i] + 1 for i in want], device=dev)   # where the first draft goes
+        tok, prob = _top1(logits)
+        drafts, path = [tok], [prob]
+        for _ in range(num_spec_tokens - 1):
+            slots = slots_for_positions(bt, ar, pos, block_size)
+            meta = AttentionMetadata(slots, [1] * n, (pos + 1).tolist(), bt, block_size, CAUSAL).finalize()
+            tok, prob = _top1(self.logits_step(self.layer_step(tok, pos, None, meta, kv_cache)))
+            drafts.append(tok)
+            path.append(path[-1] * prob)
+            pos = pos + 1
+        d = torch.stack(drafts, 1).tolist()
+        p = torch.stack(path, 1).tolist()
+        for j, i in enumerate(want):
+            out[i] = Draft.chain(d[j], self.method, p[j])
+        return out
+
+
+def _top1(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy draft tokens [n] and the draft model's probability of each [n]."""
+    tok = row_argmax(logits)
+    lse = torch.logsumexp(logits.float(), -1)
+    return tok, torch.exp(logits.float().gather(1, tok[:, None])[:, 0] - lse)

@@ -1,0 +1,188 @@
+"""Draft-model speculation: lossless greedy decoding, the draft model's KV kept in step with the
+target's accepted tokens (roll-back, skipped steps, prefix-cache hits, preemption), trees, hybrid,
+sampling distributions, and the errors a user gets for a model that cannot draft."""
+import pytest
+
+from tests.helpers import make_tiny_hf
+from tests.spec_decode.test_spec_decode import chi2_critical, two_sample_chi2
+from draftwise import LLM, SamplingParams
+
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [3] * 20, list(range(30, 70)), [7, 7, 7], [12, 13, 12, 13, 12, 13, 12]]
+K = 4
+# the first token comes from the prompt's step, then every step emits K + 1 tokens when all drafts
+# are accepted: with this length no draft reaches past the end of a request
+EXACT_STEPS = SamplingParams(temperature=0, max_tokens=1 + 4 * (K + 1), ignore_eos=True)
+
+
+def _ids(outs):
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def _prompts():
+    return [{"prompt_token_ids": p} for p in PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """(target, an unrelated draft model of the same vocabulary)."""
+    target = str(tmp_path_factory.mktemp("dm_target"))
+    other = str(tmp_path_factory.mktemp("dm_other"))
+    make_tiny_hf(target, "llama", seed=0)
+    make_tiny_hf(other, "llama", seed=7, layers=2)
+    return target, other
+
+
+@pytest.fixture(scope="module")
+def reference(models):
+    return _ids(LLM(models[0], block_size=4, max_model_len=256).generate(_prompts(), EXACT_STEPS))
+
+
+def _spec(draft, **kw):
+    return {"method": "draft_model", "model": draft, "num_speculative_tokens": K, "allocate_drafts": False, **kw}
+
+
+def _run(target, spec, prompts=None, **engine_kw):
+    llm = LLM(target, block_size=4, max_model_len=256, speculative_config=spec, **engine_kw)
+    outs = _ids(llm.generate(prompts or _prompts(), EXACT_STEPS))
+    return llm, outs
+
+
+def test_the_target_as_its_own_draft_model_is_always_accepted(models, reference):
+    """A draft model equal to the target proposes exactly the target's tokens, so every draft is
+    accepted - unless its KV is out of step with the accepted tokens."""
+    target, _ = models
+    llm, outs = _run(target, _spec(target))
+    assert outs == reference
+    m = llm.get_metrics()["spec_decode"]
+    assert m["num_draft_tokens"] > 50 and m["num_accepted_tokens"] == m["num_draft_tokens"]
+    # the same prompts again: prefix-cache hits (the draft model catches up on the cached prefix)
+    assert _ids(llm.generate(_prompts(), EXACT_STEPS)) == reference
+    m2 = llm.get_metrics()["spec_decode"]
+    assert m2["num_accepted_tokens"] == m2["num_draft_tokens"] > m["num_draft_tokens"]
+
+
+def test_an_unrelated_draft_model_is_lossless(models, reference):
+    """Drafts that are mostly rejected: the draft model's cache is rolled back every step."""
+    target, other = models
+    for extra in ({}, {"eagle_topk": 3, "eagle_depth": 3}):
+        llm, outs = _run(target, _spec(other, **extra), max_num_seqs=3)
+        assert outs == reference, extra
+        m = llm.get_metrics()["spec_decode"]
+        assert m["num_draft_tokens"] > 0 and m["num_accepted_tokens"] < m["num_draft_tokens"]
+
+
+def test_steps_without_drafting_are_caught_up(models, reference, monkeypatch):
+    """The engine skips the drafter on some steps (the draft allocation does when drafting cannot
+    pay): the draft model then feeds the positions it missed before its next draft."""
+    target, _ = models
+    from draftwise.worker.model_runner import ModelRunner
+    orig, calls = ModelRunner.propose, []
+
+    def every_third(self, step, k):
+        calls.append(1)
+        if len(calls) % 3:
+            return [None] * len(step.sched.scheduled)
+        return orig(self, step, k)
+
+    monkeypatch.setattr(ModelRunner, "propose", every_third)
+    llm, outs = _run(target, _spec(target))
+    assert outs == reference
+    m = llm.get_metrics()["spec_decode"]
+    assert m["num_draft_tokens"] > 0 and m["num_accepted_tokens"] == m["num_draft_tokens"]
+
+
+def test_preempted_requests_redraft_from_a_fresh_cache(models, reference, monkeypatch):
+    """A KV pool too small for every request at once preempts (frees and later recomputes) requests;
+    the draft model's entries of the freed blocks are gone, so it starts such a request over."""
+    target, _ = models
+    from draftwise.engine.scheduler import Scheduler
+    orig, preempted = Scheduler._preempt, []
+
+    def counting(self, req):
+        preempted.append(req.request_id)
+        return orig(self, req)
+
+    monkeypatch.setattr(Scheduler, "_preempt", counting)
+    llm = LLM(target, block_size=4, max_model_len=64, num_kv_blocks=24, max_num_seqs=5,
+              enable_prefix_caching=False, speculative_config=_spec(target))
+    drafts = _record_drafts(monkeypatch)
+    assert _ids(llm.generate(_prompts(), EXACT_STEPS)) == reference
+    assert preempted
+    # a recomputed request's steps no longer end where its answer does: check every draft against
+    # the reference continuation instead of the acceptance counters
+    checked = 0
+    for prompt, seq_len, tokens in drafts:
+        full = list(prompt) + reference[PROMPTS.index(list(prompt))]
+        truth = full[seq_len + 1:seq_len + 1 + len(tokens)]
+        assert tokens[:len(truth)] == truth
+        checked += len(truth)
+    assert checked > 50
+
+
+def _record_drafts(monkeypatch) -> list:
+    """(prompt, seq_len, draft tokens) of every draft the draft model makes from now on."""
+    from draftwise.spec_decode.draft_model import DraftModelProposer
+    orig, seen = DraftModelProposer.propose, []
+
+    def spy(self, inp, kv_cache, block_size, k):
+        out = orig(self, inp, kv_cache, block_size, k)
+        for i, d in enumerate(out):
+            if d is not None:
+                seen.append((tuple(inp.requests[i].prompt_token_ids), inp.seq_lens[i], d.token_ids))
+        return out
+
+    monkeypatch.setattr(DraftModelProposer, "propose", spy)
+    return seen
+
+
+def test_draft_model_beside_suffix_decoding(models, reference):
+    target, other = models
+    llm, outs = _run(target, _spec(other, hybrid="suffix", suffix_decoding_min_token_prob=0.0))
+    assert outs == reference
+    assert llm.get_metrics()["spec_decode"]["num_drafts"] > 0
+
+
+def test_draft_model_errors(models, tmp_path):
+    target, _ = models
+    with pytest.raises(ValueError, match="needs speculative_config\\['model'\\]"):
+        LLM(target, speculative_config={"method": "draft_model", "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match="neither a packaged model"):
+        LLM(target, speculative_config=_spec(str(tmp_path / "missing")))
+    small = str(tmp_path / "v128")
+    make_tiny_hf(small, "llama", vocab=128, seed=3)
+    with pytest.raises(ValueError, match="vocabulary of 128 tokens, the target 256"):
+        LLM(target, speculative_config=_spec(small))
+
+
+@pytest.fixture(scope="module")
+def small_vocab_pair(tmp_path_factory):
+    target = str(tmp_path_factory.mktemp("dm_v8"))
+    draft = str(tmp_path_factory.mktemp("dm_v8_draft"))
+    make_tiny_hf(target, "llama", vocab=8, hidden=32, layers=2, heads=2, kv_heads=1, seed=5)
+    make_tiny_hf(draft, "llama", vocab=8, hidden=32, layers=1, heads=2, kv_heads=1, seed=6)
+    return target, draft
+
+
+def _sample_counts(path, spec, n):
+    llm = LLM(path, block_size=4, max_model_len=64, max_num_seqs=64, speculative_config=spec)
+    sps = [SamplingParams(max_tokens=2, seed=1000 + i, ignore_eos=True, temperature=1.0) for i in range(n)]
+    counts: dict = {}
+    for o in llm.generate([{"prompt_token_ids": [3, 4, 5]}] * n, sps):
+        k = tuple(o.outputs[0].token_ids)
+        counts[k] = counts.get(k, 0) + 1
+    return counts, llm.get_metrics()["spec_decode"]
+
+
+@pytest.mark.parametrize("tree", [False, True])
+def test_sampling_distribution_is_preserved(small_vocab_pair, tree):
+    target, draft = small_vocab_pair
+    n = 3000
+    base, _ = _sample_counts(target, None, n)
+    spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": 2, "rejection_sampler": "logits",
+            "allocate_drafts": False}
+    if tree:
+        spec.update(num_speculative_tokens=4, eagle_topk=2, eagle_depth=2)
+    got, m = _sample_counts(target, spec, n)
+    assert m["num_drafts"] > 0 and m["num_accepted_tokens"] > 0
+    stat, df = two_sample_chi2(base, got)
+    assert stat < chi2_critical(df), (stat, df)
