@@ -10,6 +10,7 @@ import torch
 
 SUPPORTED_METHODS = ("eagle3", "dflash", "draft_model", "ngram", "suffix")
 HYBRID_SOURCES = ("suffix", "ngram")
+REQUANTIZE_TYPES = ("Q4_0", "Q4_1", "Q8_0")    # block types a draft model can be re-quantized to
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
           "fp16": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 
@@ -162,6 +163,9 @@ class SpeculativeConfig:
     suffix_decoding_datastore: str | None = "auto"
     # suffix decoding: verify a tree of candidates instead of the most likely chain
     draft_tree: bool = False
+    # draft_model: None - the draft model's own weights; a GGUF block type ("Q4_0", "Q4_1", "Q8_0") its
+    # linears are re-quantized to at load (a smaller type drafts faster; outputs are unchanged)
+    quantization: str | None = None
     # hybrid drafting: "suffix" | "ngram" beside an eagle3 / dflash / draft_model drafter
     hybrid: str | None = None
     # False: requests sampled with a seed are decoded without drafts, so a seed gives the same
@@ -235,6 +239,14 @@ class SpeculativeConfig:
         topk = self.eagle_topk or 1
         if topk > 1 and self.method not in ("eagle3", "draft_model"):
             raise ValueError("tree drafting (eagle_topk > 1) is available with methods 'eagle3' and 'draft_model'")
+        if self.quantization is not None:
+            if self.method != "draft_model":
+                raise ValueError("speculative_config['quantization'] re-quantizes a draft model: it applies to "
+                                 "method 'draft_model' only")
+            if str(self.quantization).upper() not in REQUANTIZE_TYPES:
+                raise ValueError(f"speculative_config['quantization'] must be one of {', '.join(REQUANTIZE_TYPES)}, "
+                                 f"got {self.quantization!r}")
+            self.quantization = str(self.quantization).upper()
         if self.method == "draft_model" and not self.model:
             raise ValueError("method 'draft_model' needs speculative_config['model']: a packaged model's short "
                              "name, a GGUF file or a model directory with the target's tokenizer")

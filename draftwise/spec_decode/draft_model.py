@@ -42,8 +42,11 @@ class DraftModelProposer(Proposer):
     method = "draft_model"
 
     def __init__(self, draft, num_speculative_tokens: int, topk: int = 1, depth: int | None = None,
-                 max_rows_per_pass: int = 512):
+                 max_rows_per_pass: int = 512, row_invariant: bool = False):
         self.draft = draft                     # a target-family model (models/registry.py)
+        # causal passes attend row by row (a quantized draft model: its layers then run as one
+        # fused stack, and a draft never depends on its batch-mates)
+        self.row_invariant = row_invariant
         self.k = num_speculative_tokens
         self.topk = topk
         self.depth = depth or num_speculative_tokens
@@ -126,7 +129,8 @@ class DraftModelProposer(Proposer):
             seg_index = torch.repeat_interleave(torch.arange(len(batch), device=dev), torch.tensor(qlens, device=dev))
             slots = slots_for_positions(bt, seg_index, pos, block_size)
             seq_lens = [s.start + d + n for s, d, n in batch]
-            meta = AttentionMetadata(slots, qlens, seq_lens, bt, block_size, CAUSAL).finalize()
+            meta = AttentionMetadata(slots, qlens, seq_lens, bt, block_size, CAUSAL,
+                                     row_invariant=self.row_invariant).finalize()
             h, _ = self.draft.run_layers(ids, pos, meta, kv_cache)
             ends = torch.cumsum(torch.tensor(qlens), 0) - 1
             for j, (s, d, n) in enumerate(batch):
@@ -161,7 +165,8 @@ class DraftModelProposer(Proposer):
         drafts, path = [tok], [prob]
         for _ in range(num_spec_tokens - 1):
             slots = slots_for_positions(bt, ar, pos, block_size)
-            meta = AttentionMetadata(slots, [1] * n, (pos + 1).tolist(), bt, block_size, CAUSAL).finalize()
+            meta = AttentionMetadata(slots, [1] * n, (pos + 1).tolist(), bt, block_size, CAUSAL,
+                                     row_invariant=self.row_invariant).finalize()
             tok, prob = _top1(self.logits_step(self.layer_step(tok, pos, None, meta, kv_cache)))
             drafts.append(tok)
             path.append(path[-1] * prob)

@@ -120,9 +120,9 @@ def _draft_model_proposer(spec: SpeculativeConfig, target_cfg: ModelConfig, cfg:
     from draftwise.spec_decode.draft_model import DraftModelProposer
     if cfg.tensor_parallel_size > 1:
         raise ValueError("method 'draft_model' runs on one process: tensor_parallel_size > 1 is not supported")
-    draft, _ = load_draft_model(spec.model, target_cfg, model_path, cfg.torch_dtype, cfg.device,
-                                cfg.max_model_len + 512, fused=cfg.enforce_eager)
+    draft, _, quantization = load_draft_model(spec.model, target_cfg, model_path, cfg.torch_dtype, cfg.device,
+                                cfg.max_model_len + 512, fused=cfg.enforce_eager, requantize=spec.quantization)
     if spec.eagle_topk is None:
         spec.eagle_topk = 1
     return DraftModelProposer(draft, spec.num_speculative_tokens, spec.eagle_topk, spec.eagle_depth,
-                              max_rows_per_pass=cfg.max_num_batched_tokens)
+                              max_rows_per_pass=cfg.max_num_batched_tokens, row_invariant=quantization is not None)

@@ -186,3 +186,42 @@ def test_sampling_distribution_is_preserved(small_vocab_pair, tree):
     assert m["num_drafts"] > 0 and m["num_accepted_tokens"] > 0
     stat, df = two_sample_chi2(base, got)
     assert stat < chi2_critical(df), (stat, df)
+
+
+def test_requantize_linears_matches_llamas_reference_quantizer():
+    import numpy as np
+    import torch
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize, quantize
+    from draftwise.layers.quant import requantize_linears
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.Linear(32, 16, bias=False), torch.nn.Linear(48, 16))
+    w = [lin.weight.detach().clone() for lin in m]
+    assert requantize_linears(m, "Q4_0") == 2          # 48 inputs do not split into 32-input blocks
+    ref = dequantize(quantize(w[0].numpy(), GGMLQuantizationType.Q4_0), GGMLQuantizationType.Q4_0)
+    assert torch.equal(m[0].dequantize(), torch.from_numpy(np.ascontiguousarray(ref)))
+    assert not torch.equal(m[0].dequantize(), w[0]) and isinstance(m[2], torch.nn.Linear)
+    x = torch.randn(3, 64)
+    assert torch.allclose(m[0](x), x @ torch.from_numpy(ref).T + m[0].bias, atol=1e-2)
+    with pytest.raises(ValueError, match="cannot re-quantize"):
+        requantize_linears(m, "Q2_K")
+
+
+def test_a_gguf_draft_model_re_quantized_at_load_is_lossless(tmp_path):
+    from tests.models.gguf_builder import write_tiny_llama_gguf
+    q8 = {k: "Q8_0" for k in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")}
+    target = write_tiny_llama_gguf(str(tmp_path / "t.gguf"), q8, hidden=128, layers=2, inter=256, vocab=256)
+    draft = write_tiny_llama_gguf(str(tmp_path / "d.gguf"), q8, hidden=128, layers=1, inter=256, vocab=256, seed=3)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    ref = _ids(LLM(target, block_size=4, max_model_len=128).generate(prompts, EXACT_STEPS))
+    for spec in (_spec(draft, quantization="q4_0"), _spec(target, quantization="Q4_0")):
+        llm = LLM(target, block_size=4, max_model_len=128, speculative_config=spec)
+        assert _ids(llm.generate(prompts, EXACT_STEPS)) == ref
+        assert llm.engine.spec_config.quantization == "Q4_0"
+        lin = llm.engine.proposer.draft.layers[0].mlp.down_proj
+        assert lin.dequantize().shape == (128, 256)
+        assert llm.get_metrics()["spec_decode"]["num_drafts"] > 0
+    with pytest.raises(ValueError, match="must be one of Q4_0"):
+        LLM(target, speculative_config=_spec(draft, quantization="int3"))
+    with pytest.raises(ValueError, match="applies to method 'draft_model' only"):
+        LLM(target, speculative_config={"method": "suffix", "quantization": "Q4_0"})
