@@ -28,20 +28,9 @@ from draftwise.models.loader import DEFAULT_MODEL
 DEFAULT_TRAINING_FREE = {"method": "suffix", "draft_seeded_sampling": False}
 
 
-# A packaged model whose smaller sibling (the same tokenizer) is installed drafts with it: chains of 4
-# from the sibling re-quantized to Q4_0 at load (its Q5_0 / Q8_0 file reads ~1.4x slower per token),
-# with suffix decoding beside it for the repetitive spans it matches best.
-DEFAULT_DRAFT_MODEL = {"method": "draft_model", "num_speculative_tokens": 4, "quantization": "Q4_0",
-                       "hybrid": "suffix", "draft_seeded_sampling": False}
-
-
 def default_speculative_config(model: str) -> dict:
-    """The "auto" speculative configuration for `model`: a packaged model's installed draft model
-    beside suffix decoding, else suffix decoding alone (it needs no drafter weights)."""
-    from draftwise.models.packaged import is_installed, packaged_model_of
-    packaged = packaged_model_of(model)
-    if packaged is not None and packaged.draft is not None and is_installed(packaged.draft):
-        return dict(DEFAULT_DRAFT_MODEL, model=packaged.draft)
+    """The "auto" speculative configuration for `model` (any model: suffix decoding needs no
+    drafter weights)."""
     return dict(DEFAULT_TRAINING_FREE)
 
 

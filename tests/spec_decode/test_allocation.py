@@ -147,3 +147,23 @@ def test_a_prefill_chunk_in_the_step_does_not_make_drafts_look_cheap():
     assert al.choose(d, 4, 4) == [0] * 4                                   # decode alone: no
     assert al.choose(d, 64, 4, decode_tokens=4) == [0] * 4                 # with 60 prompt tokens: still no
     assert al.choose(d, 64, 4) == [1] * 4                                  # (uncredited, it would draft)
+
+
+def test_an_expensive_drafter_pays_through_long_accepted_chains():
+    """A drafter that costs more than a target step: one node never pays for it, an accepted chain
+    of four does (a draft model); the same drafter with poor acceptance is skipped."""
+    costs = {1: 0.031, 2: 0.033, 4: 0.039, 8: 0.069}            # the 1.5B target at batch 1
+    good = DraftAllocator(StepCosts(costs))
+    d = Draft.chain([1, 2, 3, 4], "draft_model", [0.95, 0.9, 0.85, 0.8])
+    assert good.choose([d], 1, 1) == [4]
+    good.observe_drafting(0.3)
+    for _ in range(200):
+        good.observe_drafting(0.045)
+        good.observe(d, 4)
+    assert good.worth_drafting(1, 1)
+    poor = DraftAllocator(StepCosts(costs))
+    poor.choose([d], 1, 1)
+    for _ in range(200):
+        poor.observe_drafting(0.045)
+        poor.observe(d, 0)
+    assert not poor.worth_drafting(1, 1)
