@@ -143,10 +143,10 @@ class DraftModelProposer(Proposer):
     def propose(self, inp: ProposerInput, kv_cache, block_size: int, num_spec_tokens: int):
         R = len(inp.query_lens)
         out: list[Draft | None] = [None] * R
+        if not any(inp.want_draft) or num_spec_tokens <= 0:
+            return out                   # nothing to draft: the positions are caught up later
         roots = self._feed(self._segments(inp), inp, kv_cache, block_size)
         want = [i for i in range(R) if inp.want_draft[i] and i in roots]
-        if not want or num_spec_tokens <= 0:
-            return out
         dev = inp.token_ids.device
         sel = torch.tensor(want, device=dev)
         h = torch.stack([roots[i] for i in want])
