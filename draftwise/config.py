@@ -166,6 +166,9 @@ class SpeculativeConfig:
     # draft_model: None - the draft model's own weights; a GGUF block type ("Q4_0", "Q4_1", "Q8_0") its
     # linears are re-quantized to at load (a smaller type drafts faster; outputs are unchanged)
     quantization: str | None = None
+    # draft_model chains: a request's chain ends after a token the draft model gives less than this
+    # probability (Hugging Face's assistant_confidence_threshold; 0 drafts every chain in full)
+    draft_confidence_threshold: float = 0.4
     # hybrid drafting: "suffix" | "ngram" beside an eagle3 / dflash / draft_model drafter
     hybrid: str | None = None
     # False: requests sampled with a seed are decoded without drafts, so a seed gives the same
@@ -247,6 +250,9 @@ class SpeculativeConfig:
                 raise ValueError(f"speculative_config['quantization'] must be one of {', '.join(REQUANTIZE_TYPES)}, "
                                  f"got {self.quantization!r}")
             self.quantization = str(self.quantization).upper()
+        t = self.draft_confidence_threshold
+        if not isinstance(t, (int, float)) or isinstance(t, bool) or not 0 <= t <= 1:
+            raise ValueError(f"draft_confidence_threshold must be in [0, 1], got {t!r}")
         if self.method == "draft_model" and not self.model:
             raise ValueError("method 'draft_model' needs speculative_config['model']: a packaged model's short "
                              "name, a GGUF file or a model directory with the target's tokenizer")
@@ -285,6 +291,9 @@ class EngineConfig:
     # weight-only quantization of the target's (and drafter's) linears: None | "int8" | "int4" |
     # "gguf" (a GGUF's own blocks, every type: draftwise/formats)
     quantization: str | None = None
+    # draft_model chains: a request's chain ends after a token the draft model gives less than this
+    # probability (Hugging Face's assistant_confidence_threshold; 0 drafts every chain in full)
+    draft_confidence_threshold: float = 0.4
     # automatic prefix caching: full KV blocks shared across requests by a hash of their tokens
     enable_prefix_caching: bool = True
     # tensor parallelism: the target sharded over this many processes (torch.distributed)

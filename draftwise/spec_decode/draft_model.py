@@ -12,7 +12,9 @@ way (the draft model's cache entries of a shared block are not trusted: a reques
 and a preempted request starts again from 0.
 
 Chain drafting: one pass over every request's catch-up rows and its root yields the first draft
-token (greedy), then K-1 one-row passes. Tree drafting (draft_topk > 1): the root's top-k and then
+token (greedy), then up to K-1 one-row passes; a request's chain ends early after a token the
+draft model gives less than `confidence_threshold` (as Hugging Face's assisted generation does: a
+doubtful token's successors are seldom accepted, and each costs a pass). Tree drafting (draft_topk > 1): the root's top-k and then
 `depth` levels of the global top-k frontier, all requests batched per level with TREE attention
 (spec_decode/tree.py `draft_trees`, entries shifted by one past the root). Drafts carry the draft
 model's path probability (the product of its top-1 probabilities), which the draft allocation
@@ -42,8 +44,9 @@ class DraftModelProposer(Proposer):
     method = "draft_model"
 
     def __init__(self, draft, num_speculative_tokens: int, topk: int = 1, depth: int | None = None,
-                 max_rows_per_pass: int = 512, row_invariant: bool = False):
+                 max_rows_per_pass: int = 512, row_invariant: bool = False, confidence_threshold: float = 0.0):
         self.draft = draft                     # a target-family model (models/registry.py)
+        self.confidence_threshold = confidence_threshold
         # causal passes attend row by row (a quantized draft model: its layers then run as one
         # fused stack, and a draft never depends on its batch-mates)
         self.row_invariant = row_invariant
@@ -163,18 +166,25 @@ class DraftModelProposer(Proposer):
         pos = torch.tensor([inp.seq_lens[i] + 1 for i in want], device=dev)   # where the first draft goes
         tok, prob = _top1(logits)
         drafts, path = [tok], [prob]
+        # a request's chain ends after a token the draft model gives less than the threshold
+        alive = prob >= self.confidence_threshold
+        length = torch.ones(n, dtype=torch.long, device=dev)
         for _ in range(num_spec_tokens - 1):
+            if not bool(alive.any()):
+                break
+            length += alive
             slots = slots_for_positions(bt, ar, pos, block_size)
             meta = AttentionMetadata(slots, [1] * n, (pos + 1).tolist(), bt, block_size, CAUSAL,
                                      row_invariant=self.row_invariant).finalize()
             tok, prob = _top1(self.logits_step(self.layer_step(tok, pos, None, meta, kv_cache)))
             drafts.append(tok)
             path.append(path[-1] * prob)
+            alive &= prob >= self.confidence_threshold
             pos = pos + 1
         d = torch.stack(drafts, 1).tolist()
         p = torch.stack(path, 1).tolist()
-        for j, i in enumerate(want):
-            out[i] = Draft.chain(d[j], self.method, p[j])
+        for j, (i, m) in enumerate(zip(want, length.tolist())):
+            out[i] = Draft.chain(d[j][:m], self.method, p[j][:m])
         return out
 
 

@@ -125,4 +125,5 @@ def _draft_model_proposer(spec: SpeculativeConfig, target_cfg: ModelConfig, cfg:
     if spec.eagle_topk is None:
         spec.eagle_topk = 1
     return DraftModelProposer(draft, spec.num_speculative_tokens, spec.eagle_topk, spec.eagle_depth,
-                              max_rows_per_pass=cfg.max_num_batched_tokens, row_invariant=quantization is not None)
+                              max_rows_per_pass=cfg.max_num_batched_tokens, row_invariant=quantization is not None,
+                              confidence_threshold=spec.draft_confidence_threshold)

@@ -38,7 +38,9 @@ def reference(models):
 
 
 def _spec(draft, **kw):
-    return {"method": "draft_model", "model": draft, "num_speculative_tokens": K, "allocate_drafts": False, **kw}
+    """Whole chains of K: no allocation, no confidence threshold."""
+    return {"method": "draft_model", "model": draft, "num_speculative_tokens": K, "allocate_drafts": False,
+            "draft_confidence_threshold": 0.0, **kw}
 
 
 def _run(target, spec, prompts=None, **engine_kw):
@@ -142,6 +144,16 @@ def test_draft_model_beside_suffix_decoding(models, reference):
     assert llm.get_metrics()["spec_decode"]["num_drafts"] > 0
 
 
+def test_chains_end_after_a_doubtful_token(models, reference, monkeypatch):
+    target, other = models
+    for threshold, check in ((1.0, lambda n: n == 1), (0.0, lambda n: n == K)):
+        drafts = _record_drafts(monkeypatch)
+        _, outs = _run(target, _spec(other, draft_confidence_threshold=threshold))
+        assert outs == reference
+        assert drafts and all(check(len(tokens)) for _, _, tokens in drafts), threshold
+        monkeypatch.undo()
+
+
 def test_draft_model_errors(models, tmp_path):
     target, _ = models
     with pytest.raises(ValueError, match="needs speculative_config\\['model'\\]"):
@@ -152,6 +164,8 @@ def test_draft_model_errors(models, tmp_path):
     make_tiny_hf(small, "llama", vocab=128, seed=3)
     with pytest.raises(ValueError, match="vocabulary of 128 tokens, the target 256"):
         LLM(target, speculative_config=_spec(small))
+    with pytest.raises(ValueError, match="draft_confidence_threshold must be in"):
+        LLM(target, speculative_config=_spec(target, draft_confidence_threshold=1.5))
 
 
 @pytest.fixture(scope="module")
