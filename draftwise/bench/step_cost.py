@@ -2,6 +2,7 @@
 
     draftwise bench step-cost [--formats fp32,bf16,int8,int4] [--threads 1,2] [--rows 1,2,4,8,16,32]
                               [--contexts 128,1024] [--requests 1,16] [--compiled] [--out bench_out/step_cost]
+                              [--draft-model NAME [--draft-quantization Q4_0]]
 
 For one request (or B requests, `--requests`: the batch shapes a loaded server runs) with `context`
 tokens in the KV cache feeding M new rows each (M = 1: plain decoding; M = K + 1: verifying K
@@ -9,7 +10,8 @@ drafts), each weight format and thread count: the full target step (layers +
 LM head on every row, `ModelRunner.measure_target_costs`, the same code the adaptive policy's cost
 table reads) plus greedy acceptance, and where its time goes - layer linears, attention (KV writes
 and reads included), other ops (norms, RoPE, residuals, embedding, casts), Python / dispatch (the
-wall time no op accounts for), LM head, sampling / acceptance. The split comes from one
+wall time no op accounts for), LM head, sampling / acceptance. With `--draft-model`, one pass of the
+draft model (a drafted token's cost) beside the target's plain step. The split comes from one
 torch.profiler pass per point (op self-times), scaled to the unprofiled wall time. Prints a
 Markdown table per context with t(M)/t(1) ratios, writes JSON and a PNG plot; the header names the
 CPU and its ISA."""
@@ -82,13 +84,13 @@ def _split(runner, inputs, lm_head_rows: torch.Tensor) -> dict[str, float]:
 
 @torch.inference_mode()
 def measure_format(fmt: str, model: str, threads: list[int], rows: list[int], contexts: list[int],
-                   compiled: bool, repeats: int, requests: list[int] = (1,)) -> list[dict]:
+                   compiled: bool, repeats: int, requests: list[int] = (1,), draft: dict | None = None) -> list[dict]:
     from draftwise import LLM
     from draftwise.kernels import forced_isa
     kw = dict(FORMATS[fmt])
     with forced_isa(kw.pop("isa", None)):
         llm = LLM(model, max_model_len=max(contexts) + max(rows) + 64, max_num_seqs=max(requests),
-                  speculative_config=None, enforce_eager=not compiled, **kw)
+                  speculative_config=draft, enforce_eager=not compiled, **kw)
         return [r for b in requests for r in _measure(llm, fmt, threads, rows, contexts, repeats, b)]
 
 
@@ -104,6 +106,7 @@ def _measure(llm, fmt: str, threads: list[int], rows: list[int], contexts: list[
             # every row count sampled alike, in interleaved rounds (ratios within one run)
             totals = runner.measure_target_costs(rows, repeats=repeats, context=ctx, large_repeats=None,
                                                  num_requests=requests)
+            draft_ms = _draft_token_ms(runner, ctx, requests, repeats)
             for m in rows:
                 total = totals[m]
                 inputs = runner.scratch_step_inputs(m, ctx, requests)
@@ -128,10 +131,28 @@ def _measure(llm, fmt: str, threads: list[int], rows: list[int], contexts: list[
                 row.update({k + "_ms": v * scale * 1e3 for k, v in split.items()})
                 row["lm_head_ms"] = best_head * 1e3
                 row["sampling_ms"] = best_sample * 1e3
+                if draft_ms is not None:
+                    row["draft_token_ms"] = draft_ms
                 out.append(row)
                 print(f"  {fmt} {th} thr ctx {ctx} B={requests} M={m}: {row['step_ms']:.1f} ms", flush=True)
     del llm
     return out
+
+
+def _draft_token_ms(runner, context: int, requests: int, repeats: int) -> float | None:
+    """Milliseconds of one draft-model pass (every layer and the LM head) for `requests` requests
+    of one row each after `context` tokens - what each drafted token costs a chain - or None
+    without a draft model."""
+    proposer = runner.proposer
+    if proposer is None or not hasattr(proposer, "draft"):
+        return None
+    ids, pos, meta, _ = runner.scratch_step_inputs(1, context, requests)
+    best = float("inf")
+    for _ in range(repeats + 1):
+        t0 = time.perf_counter()
+        proposer.logits_step(proposer.layer_step(ids, pos, None, meta, runner.kv_cache))
+        best = min(best, time.perf_counter() - t0)
+    return best * 1e3
 
 
 def format_table(rows: list[dict]) -> str:
@@ -203,6 +224,10 @@ def main(argv=None) -> list[dict]:
                     help="batch shapes: B requests each feeding M rows after the context (e.g. 1,16)")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--compiled", action="store_true", help="compiled graphs (default: eager)")
+    ap.add_argument("--draft-model", default=None,
+                    help="also time one pass of this draft model (a packaged name, GGUF file or directory): "
+                         "what each drafted token costs, beside the target's step")
+    ap.add_argument("--draft-quantization", default=None, help="re-quantize the draft model at load (Q4_0, ...)")
     ap.add_argument("--out", default="bench_out/step_cost")
     a = ap.parse_args(argv)
     ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
@@ -210,18 +235,27 @@ def main(argv=None) -> list[dict]:
     bad = [f for f in fmts if f not in FORMATS]
     if bad:
         raise SystemExit(f"unknown format(s) {bad}; choose from {', '.join(FORMATS)}")
+    draft = None
+    if a.draft_model is not None:
+        draft = {"method": "draft_model", "model": a.draft_model, "num_speculative_tokens": 1,
+                 "quantization": a.draft_quantization}
     head = f"{machine_line()}; {'compiled' if a.compiled else 'eager'}"
     print(head, flush=True)
     rows = []
     for f in fmts:
         rows += measure_format(f, a.model, ints(a.threads), ints(a.rows), ints(a.contexts), a.compiled, a.repeats,
-                               ints(a.requests))
+                               ints(a.requests), draft)
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "step_cost.json"), "w") as fh:
         json.dump({"machine": head, "rows": rows}, fh, indent=1)
     plot(rows, os.path.join(a.out, "step_cost.png"), head)
     print(head)
     print(format_table(rows))
+    for r in rows:
+        if "draft_token_ms" in r and r["rows"] == min(x["rows"] for x in rows):
+            print(f"draft model {a.draft_model}: {r['draft_token_ms']:.1f} ms per drafted token ({r['format']}, "
+                  f"{r['threads']} threads, context {r['context']}, {r['requests']} requests) = "
+                  f"{r['draft_token_ms'] / r['step_ms']:.2f}x a plain target step")
     print(f"wrote {a.out}/step_cost.json and step_cost.png")
     return rows
 

@@ -128,6 +128,20 @@ def test_step_cost_bench(tmp_path):
     assert os.path.getsize(os.path.join(out, "step_cost.png")) > 1000
 
 
+def test_step_cost_times_a_draft_models_token(tmp_path, capsys):
+    model, draft = str(tmp_path / "m"), str(tmp_path / "d")
+    make_tiny_hf(model)
+    make_tiny_hf(draft, layers=1, seed=3)
+    out = str(tmp_path / "sc")
+    rc = main(["bench", "step-cost", "--model", model, "--formats", "fp32", "--threads", "1", "--rows", "1,2",
+               "--contexts", "8", "--repeats", "2", "--draft-model", draft, "--draft-quantization", "Q8_0",
+               "--out", out])
+    assert rc == 0
+    rows = json.load(open(os.path.join(out, "step_cost.json")))["rows"]
+    assert len(rows) == 2 and all(r["draft_token_ms"] > 0 for r in rows)
+    assert "ms per drafted token" in capsys.readouterr().out
+
+
 def test_quality_scores_every_token_after_the_first():
     import math
     import torch
