@@ -56,6 +56,8 @@ def add_bench_args(p) -> None:
     p.add_argument("--draft-model", default=None,
                    help="the draft-model* methods' draft model: a packaged model's short name, a GGUF file or a "
                         "model directory with the target's tokenizer")
+    p.add_argument("--draft-quantization", default=None,
+                   help="the draft-model* methods: re-quantize the draft model at load (Q4_0, Q4_1, Q8_0)")
     p.add_argument("--num-prompts", type=int, default=None)
     p.add_argument("--stride", type=int, default=1, help="take every n-th conversation (e.g. 10: one per MT-bench category)")
     p.add_argument("--sweep", default=None, help="comma list of batch sizes: throughput sweep instead of one run")
@@ -96,8 +98,8 @@ def _split_methods(s: str) -> list[str]:
     return items + [cur]
 
 
-def parse_methods(s: str, default_quantization: str | None = None,
-                  draft_model: str | None = None) -> list[tuple[str, object, str | None]]:
+def parse_methods(s: str, default_quantization: str | None = None, draft_model: str | None = None,
+                  draft_quantization: str | None = None) -> list[tuple[str, object, str | None]]:
     """(name, speculative config or peer name, quantization) per comma-separated item: a preset,
     a peer, or name=JSON; a suffix @none / @int8 / @int4 runs it on those weights. Draft-model
     presets take `draft_model` as their model."""
@@ -123,7 +125,7 @@ def parse_methods(s: str, default_quantization: str | None = None,
                     if draft_model is None:
                         raise ValueError(f"bench method {item!r} needs --draft-model (a packaged model's short "
                                          "name, a GGUF file or a model directory)")
-                    spec = dict(spec, model=draft_model)
+                    spec = dict(spec, model=draft_model, quantization=draft_quantization)
             elif base in PEERS and not q:
                 spec = base
             else:
@@ -321,7 +323,8 @@ def run_bench(args) -> list[dict]:
     convs = _setup_and_load(args)
     if args.num_prompts:
         convs = convs[:args.num_prompts]
-    methods = parse_methods(args.methods, getattr(args, "quantization", None), getattr(args, "draft_model", None))
+    methods = parse_methods(args.methods, getattr(args, "quantization", None), getattr(args, "draft_model", None),
+                            getattr(args, "draft_quantization", None))
     if methods[0][0] != "ar":
         methods.insert(0, ("ar", None, getattr(args, "quantization", None)))
     total = sum(min(len(c), args.max_turns) for c in convs) * len(methods)
@@ -424,7 +427,8 @@ def run_sweep(args) -> dict:
     if args.num_prompts:
         convs = convs[:args.num_prompts]
     sizes = [int(x) for x in args.sweep.split(",")]
-    methods = parse_methods(args.methods, getattr(args, "quantization", None), getattr(args, "draft_model", None))
+    methods = parse_methods(args.methods, getattr(args, "quantization", None), getattr(args, "draft_model", None),
+                            getattr(args, "draft_quantization", None))
     if methods[0][0] != "ar":
         methods.insert(0, ("ar", None, getattr(args, "quantization", None)))
     samples: dict = {}

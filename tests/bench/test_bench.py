@@ -2,6 +2,8 @@
 import json
 import os
 
+import pytest
+
 from tests.helpers import make_tiny_hf
 from draftwise.entrypoints.cli import main
 
@@ -150,3 +152,13 @@ def test_quality_scores_every_token_after_the_first():
     ids = [2, 1, 0]
     want = -(torch.log_softmax(logits[0].double(), -1)[1] + torch.log_softmax(logits[1].double(), -1)[0])
     assert math.isclose(nll_of(logits, ids), float(want), rel_tol=1e-12)
+
+
+def test_draft_model_presets_take_the_draft_model_option():
+    from draftwise.bench.run import parse_methods
+    with pytest.raises(ValueError, match="needs --draft-model"):
+        parse_methods("ar,draft-model")
+    (_, plain, _), (_, spec, _) = parse_methods("ar,draft-model-suffix", None, "qwen2.5-coder-0.5b", "Q4_0")
+    assert plain is None
+    assert spec == {"method": "draft_model", "num_speculative_tokens": 4, "hybrid": "suffix",
+                    "model": "qwen2.5-coder-0.5b", "quantization": "Q4_0"}
