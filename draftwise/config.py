@@ -291,9 +291,6 @@ class EngineConfig:
     # weight-only quantization of the target's (and drafter's) linears: None | "int8" | "int4" |
     # "gguf" (a GGUF's own blocks, every type: draftwise/formats)
     quantization: str | None = None
-    # draft_model chains: a request's chain ends after a token the draft model gives less than this
-    # probability (Hugging Face's assistant_confidence_threshold; 0 drafts every chain in full)
-    draft_confidence_threshold: float = 0.4
     # automatic prefix caching: full KV blocks shared across requests by a hash of their tokens
     enable_prefix_caching: bool = True
     # tensor parallelism: the target sharded over this many processes (torch.distributed)

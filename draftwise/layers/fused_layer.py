@@ -154,12 +154,12 @@ def _stack(model, kv_cache):
     None where the attention kernel does not take this model's shapes."""
     from draftwise.kernels import attention_kernel_fits, load
     layers = model.layers
-    kv = [kv_cache.layer(layer.self_attn.layer_idx) for layer in layers]   # a drafter's layers sit past the target's
-    k0 = kv[0][0]
+    k0 = kv_cache.layer(layers[0].self_attn.layer_idx)[0]      # a drafter's layers sit past the target's
     key = (id(kv_cache), k0.data_ptr(), k0.dtype)
     cached = getattr(model, "_fused_stack", None)
     if cached is not None and cached[0] == key:
         return cached[1]
+    kv = [kv_cache.layer(layer.self_attn.layer_idx) for layer in layers]
     attn = layers[0].self_attn
     stack = None
     if attention_kernel_fits(attn.head_dim, attn.num_heads // attn.num_kv_heads, k0):

@@ -226,7 +226,7 @@ def load_draft_model(name: str, target_cfg: ModelConfig, target_dir: str, dtype:
     with the fused CPU layers when `fused` (eager steps). Its vocabulary must be the target's: the
     same size, and where both carry a tokenizer, the same token for every id. Returns (model,
     config, its quantization)."""
-    if not (packaged_or_file(name) or os.path.isdir(name)):
+    if gguf_path_for(name) is None and not os.path.isdir(name):
         raise ValueError(f"draft model {name!r} is neither a packaged model's short name, a .gguf file nor "
                          "a model directory")
     quantization = native_quantization(name)
@@ -246,9 +246,3 @@ def load_draft_model(name: str, target_cfg: ModelConfig, target_dir: str, dtype:
         from draftwise.layers.fused_layer import enable_fused_layers
         enable_fused_layers(model)
     return model, cfg, quantization
-
-
-def packaged_or_file(name: str) -> bool:
-    """A packaged model's short name, or an existing .gguf file."""
-    from draftwise.models.packaged import packaged_model
-    return packaged_model(name) is not None or (name.endswith(".gguf") and os.path.isfile(name))

@@ -163,12 +163,6 @@ class AcceptanceCalibration:
                 best = out
         return best
 
-    def best_first_node(self) -> float:
-        """The highest calibrated acceptance a drafter's first node can have: the best observed
-        bin at depth 0, or 0.95 before anything is observed."""
-        rates = [self.rate(src, 0, (k + 0.5) / NUM_BINS) for (src, b, k) in self.cells if b == 0]
-        return max(rates, default=(NUM_BINS - 0.5) / NUM_BINS)
-
     def table(self) -> dict:
         return {f"{s}/d{POSITION_BUCKETS[b]}/p{k / NUM_BINS:.1f}": round(self.rate(s, POSITION_BUCKETS[b],
                                                                                   (k + 0.5) / NUM_BINS), 3)
