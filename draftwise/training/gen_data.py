@@ -53,6 +53,9 @@ class GenDataConfig:
     # True: no generation - the conversations' own first replies are fed to the target (one prefill
     # each, ~2.5x cheaper per token than generating) and their hidden states recorded
     teacher_forced: bool = False
+    # the target's weights while recording: None = full precision (the drafters trained so far);
+    # "gguf" = a GGUF target on its own blocks, the hidden states the drafter reads when serving it
+    quantization: str | None = None
 
 
 def default_capture_layers(num_layers: int) -> tuple[int, ...]:
@@ -152,7 +155,7 @@ def generate_data(cfg: GenDataConfig, progress: bool = True) -> dict:
     os.makedirs(cfg.out, exist_ok=True)
     max_len = cfg.max_prompt_tokens + cfg.max_tokens
     llm = LLM(cfg.target, max_model_len=max_len + 1, max_num_seqs=cfg.batch_size, speculative_config=None,
-              quantization=None,             # the drafters are trained on the full-precision target
+              quantization=cfg.quantization,
               enable_prefix_caching=False,   # every row must be computed: its hidden states are the data
               max_num_batched_tokens=max(2048, max_len + 1), enforce_eager=cfg.enforce_eager, seed=cfg.seed)
     engine = llm.engine
