@@ -1,10 +1,43 @@
 """User-facing sampling parameters, validated on construction."""
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 
-from draftwise.structured_output import StructuredOutputParams
+
+@dataclass(frozen=True)
+class StructuredOutputParams:
+    """Exactly one constraint. `json`: a JSON schema (dict or JSON text); `json_object`: any JSON
+    object; `regex`; `choice`: one of these strings; `grammar`: EBNF in xgrammar's (GBNF-style)
+    syntax with a `root` rule."""
+    json: dict | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self):
+        if self.choice is not None:
+            if isinstance(self.choice, str) or not all(isinstance(c, str) and c for c in self.choice) \
+                    or not self.choice:
+                raise ValueError("choice must be a non-empty list of non-empty strings")
+            object.__setattr__(self, "choice", tuple(self.choice))
+        given = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            raise ValueError("a structured output takes exactly one of json, json_object, regex, choice, grammar"
+                             f" (got {', '.join(given) or 'none'})")
+        if self.json is not None and not isinstance(self.json, (dict, str)):
+            raise ValueError("json must be a JSON schema: an object or its JSON text")
+        for k in ("regex", "grammar"):
+            v = getattr(self, k)
+            if v is not None and (not isinstance(v, str) or not v):
+                raise ValueError(f"{k} must be a non-empty string")
+
+    def cache_key(self) -> str:
+        return json.dumps([self.json, self.json_object, self.regex, self.choice, self.grammar], sort_keys=True)
+
 
 def _number(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
@@ -42,59 +75,94 @@ class SamplingParams:
     def __post_init__(self):
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        self.stop = list(self.stop or [])
-        if not isinstance(self.temperature, (int, float)) or isinstance(self.temperature, bool) \
-                or not math.isfinite(self.temperature):
-            raise ValueError(f"temperature must be a finite number, got {self.temperature!r}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not isinstance(self.top_p, (int, float)) or not (0 < self.top_p <= 1):
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or (self.top_k < -1):
-            raise ValueError(f"top_k must be -1 (disabled) or a positive integer, got {self.top_k!r}")
+        elif self.stop is None or isinstance(self.stop, tuple):
+            self.stop = list(self.stop or [])
+        validate(self)
         self.top_k = min(self.top_k, TOP_K_MAX)
-        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens <= 0:
-            raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
-                                      or not SEED_MIN <= self.seed <= SEED_MAX):
-            raise ValueError(f"seed must be an integer in [-2**63, 2**64), got {self.seed!r}")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool)
-                                          or not 0 <= self.logprobs <= 20):
-            raise ValueError(f"logprobs must be an integer in [0, 20] or None, got {self.logprobs!r}")
-        if not isinstance(self.speculate, bool):
-            raise ValueError(f"speculate must be true or false, got {self.speculate!r}")
-        for name in ("presence_penalty", "frequency_penalty"):
-            v = getattr(self, name)
-            if not _number(v) or not -2 <= v <= 2:
-                raise ValueError(f"{name} must be a number in [-2, 2], got {v!r}")
-        if not _number(self.repetition_penalty) or not 0 < self.repetition_penalty <= 10:
-            raise ValueError(f"repetition_penalty must be in (0, 10], got {self.repetition_penalty!r}")
-        if not _number(self.min_p) or not 0 <= self.min_p <= 1:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
-        if self.logit_bias is not None:
-            if not isinstance(self.logit_bias, dict) or any(
-                    not isinstance(k, int) or isinstance(k, bool) or k < 0 or not _number(v) or not -100 <= v <= 100
-                    for k, v in self.logit_bias.items()):
-                raise ValueError("logit_bias must map token ids (>= 0) to numbers in [-100, 100]")
-        if not isinstance(self.min_tokens, int) or isinstance(self.min_tokens, bool) or self.min_tokens < 0:
-            raise ValueError(f"min_tokens must be a non-negative integer, got {self.min_tokens!r}")
-        if self.bad_words is not None and (not isinstance(self.bad_words, list)
-                                           or any(not isinstance(w, str) or not w.strip() for w in self.bad_words)):
-            raise ValueError("bad_words must be a list of non-empty strings")
-        if self.allowed_token_ids is not None and (not isinstance(self.allowed_token_ids, list)
-                                                   or not self.allowed_token_ids or any(
-                not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in self.allowed_token_ids)):
-            raise ValueError("allowed_token_ids must be a non-empty list of token ids (>= 0)")
-        if self.structured_output is not None and not isinstance(self.structured_output, StructuredOutputParams):
-            raise ValueError("structured_output must be a StructuredOutputParams")
-        if not isinstance(self.spec_trace, bool):
-            raise ValueError(f"spec_trace must be true or false, got {self.spec_trace!r}")
-        if any(not isinstance(s, str) or not s for s in self.stop):
-            raise ValueError("stop must be a string or a list of non-empty strings")
-        if not isinstance(self.stop_token_ids, list) or any(
-                not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in self.stop_token_ids):
-            raise ValueError("stop_token_ids must be a list of non-negative integers")
 
     @property
     def greedy(self) -> bool:
         return self.temperature < 1e-5
+
+
+class InvalidSamplingParams(ValueError):
+    """A sampling field out of its range; `param` names the field (the server's 400 names it too),
+    `code` is OpenAI's error code."""
+
+    def __init__(self, param: str, message: str, code: str = "invalid_value"):
+        super().__init__(message)
+        self.param, self.code = param, code
+
+
+@dataclass(frozen=True)
+class SamplingLimits:
+    """What the served model allows a request."""
+    vocab_size: int
+    max_model_len: int
+
+
+def _int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def validate(p: SamplingParams, limits: SamplingLimits | None = None, prompt_len: int | None = None) -> None:
+    """Every check on the sampling fields, in one place: types and ranges always (SamplingParams runs
+    this on construction); token ids against the vocabulary where `limits` are known; `max_tokens`
+    against the context where the prompt's length is known too (the server refuses what cannot fit,
+    as OpenAI does; the offline engine stops at the context instead). Raises InvalidSamplingParams."""
+    def bad(param: str, message: str, code: str = "invalid_value"):
+        raise InvalidSamplingParams(param, message, code)
+
+    if not _number(p.temperature):
+        bad("temperature", f"temperature must be a finite number, got {p.temperature!r}")
+    if p.temperature < 0:
+        bad("temperature", f"temperature must be >= 0, got {p.temperature}")
+    if not _number(p.top_p) or not 0 < p.top_p <= 1:
+        bad("top_p", f"top_p must be in (0, 1], got {p.top_p!r}")
+    if not _int(p.top_k) or p.top_k < -1:
+        bad("top_k", f"top_k must be -1 (disabled) or a positive integer, got {p.top_k!r}")
+    if not _int(p.max_tokens) or p.max_tokens <= 0:
+        bad("max_tokens", f"max_tokens must be a positive integer, got {p.max_tokens!r}")
+    if p.seed is not None and (not _int(p.seed) or not SEED_MIN <= p.seed <= SEED_MAX):
+        bad("seed", f"seed must be an integer in [-2**63, 2**64), got {p.seed!r}")
+    if p.logprobs is not None and (not _int(p.logprobs) or not 0 <= p.logprobs <= 20):
+        bad("logprobs", f"logprobs must be an integer in [0, 20] or None, got {p.logprobs!r}")
+    for name in ("speculate", "spec_trace", "ignore_eos"):
+        if not isinstance(getattr(p, name), bool):
+            bad(name, f"{name} must be true or false, got {getattr(p, name)!r}")
+    for name in ("presence_penalty", "frequency_penalty"):
+        v = getattr(p, name)
+        if not _number(v) or not -2 <= v <= 2:
+            bad(name, f"{name} must be a number in [-2, 2], got {v!r}")
+    if not _number(p.repetition_penalty) or not 0 < p.repetition_penalty <= 10:
+        bad("repetition_penalty", f"repetition_penalty must be in (0, 10], got {p.repetition_penalty!r}")
+    if not _number(p.min_p) or not 0 <= p.min_p <= 1:
+        bad("min_p", f"min_p must be in [0, 1], got {p.min_p!r}")
+    if p.logit_bias is not None and (not isinstance(p.logit_bias, dict) or any(
+            not _int(k) or k < 0 or not _number(v) or not -100 <= v <= 100 for k, v in p.logit_bias.items())):
+        bad("logit_bias", "logit_bias must map token ids (>= 0) to numbers in [-100, 100]")
+    if not _int(p.min_tokens) or p.min_tokens < 0:
+        bad("min_tokens", f"min_tokens must be a non-negative integer, got {p.min_tokens!r}")
+    if p.bad_words is not None and (not isinstance(p.bad_words, list)
+                                    or any(not isinstance(w, str) or not w.strip() for w in p.bad_words)):
+        bad("bad_words", "bad_words must be a list of non-empty strings")
+    if p.allowed_token_ids is not None and (not isinstance(p.allowed_token_ids, list) or not p.allowed_token_ids
+                                            or any(not _int(t) or t < 0 for t in p.allowed_token_ids)):
+        bad("allowed_token_ids", "allowed_token_ids must be a non-empty list of token ids (>= 0)")
+    if p.structured_output is not None and not isinstance(p.structured_output, StructuredOutputParams):
+        bad("structured_output", "structured_output must be a StructuredOutputParams")
+    if not isinstance(p.stop, list) or any(not isinstance(s, str) or not s for s in p.stop):
+        bad("stop", "stop must be a string or a list of non-empty strings")
+    if not isinstance(p.stop_token_ids, list) or any(not _int(t) or t < 0 for t in p.stop_token_ids):
+        bad("stop_token_ids", "stop_token_ids must be a list of non-negative integers")
+    if limits is None:
+        return
+    vocab = limits.vocab_size
+    for name in ("logit_bias", "allowed_token_ids"):
+        outside = [t for t in (getattr(p, name) or ()) if t >= vocab]
+        if outside:
+            bad(name, f"{name} has token ids outside the vocabulary [0, {vocab}): {outside[:5]}")
+    if prompt_len is not None and prompt_len + p.max_tokens > limits.max_model_len:
+        bad("max_tokens", f"This model's maximum context length is {limits.max_model_len} tokens. However, you "
+            f"requested {prompt_len + p.max_tokens} tokens ({prompt_len} in the prompt, {p.max_tokens} for the "
+            "completion). Please reduce the prompt or max_tokens.", "context_length_exceeded")

@@ -23,44 +23,11 @@ from __future__ import annotations
 
 import json
 import threading
-from dataclasses import dataclass
 
 import torch
 
+from draftwise.sampling_params import StructuredOutputParams
 from draftwise.spec_decode.draft import Draft
-
-
-@dataclass(frozen=True)
-class StructuredOutputParams:
-    """Exactly one constraint. `json`: a JSON schema (dict or JSON text); `json_object`: any JSON
-    object; `regex`; `choice`: one of these strings; `grammar`: EBNF in xgrammar's (GBNF-style)
-    syntax with a `root` rule."""
-    json: dict | str | None = None
-    json_object: bool = False
-    regex: str | None = None
-    choice: tuple[str, ...] | None = None
-    grammar: str | None = None
-
-    def __post_init__(self):
-        if self.choice is not None:
-            if isinstance(self.choice, str) or not all(isinstance(c, str) and c for c in self.choice) \
-                    or not self.choice:
-                raise ValueError("choice must be a non-empty list of non-empty strings")
-            object.__setattr__(self, "choice", tuple(self.choice))
-        given = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
-        given += ["json_object"] if self.json_object else []
-        if len(given) != 1:
-            raise ValueError("a structured output takes exactly one of json, json_object, regex, choice, grammar"
-                             f" (got {', '.join(given) or 'none'})")
-        if self.json is not None and not isinstance(self.json, (dict, str)):
-            raise ValueError("json must be a JSON schema: an object or its JSON text")
-        for k in ("regex", "grammar"):
-            v = getattr(self, k)
-            if v is not None and (not isinstance(v, str) or not v):
-                raise ValueError(f"{k} must be a non-empty string")
-
-    def cache_key(self) -> str:
-        return json.dumps([self.json, self.json_object, self.regex, self.choice, self.grammar], sort_keys=True)
 
 
 def _choice_grammar(choices: tuple[str, ...]) -> str:

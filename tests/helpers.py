@@ -129,7 +129,7 @@ class TargetFeaturizer:
 
     def __init__(self, target, max_len: int, block_size: int = 64):
         import math
-        from draftwise.engine.kv_cache import KVCache
+        from draftwise.worker.kv_cache import KVCache
         self.target = target
         cfg = target.config
         self.block_size = block_size

@@ -1,6 +1,6 @@
-"""Properties of the source tree itself: no import cycle between draftwise's modules (function-level
-imports included: a lazy import hides a cycle, it does not remove it), and no comment pointing at
-documents the repository does not contain."""
+"""Properties of the source tree itself: the written layer order of draftwise's packages holds and no
+import cycle joins its modules (function-level imports included: a lazy import hides a dependency, it
+does not remove it), and no comment points at documents the repository does not contain."""
 import ast
 import os
 import re
@@ -61,6 +61,67 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return out
 
 
+# The layer order, bottom to top: a module imports from its own layer and the layers below it, never
+# from one above. Names are module paths under draftwise ("" is the package itself, which exports
+# the LLM); the longest matching name places a module.
+LAYERS = [
+    ("config", "outputs", "sampling_params", "inputs", "machine"),   # data crossing every boundary
+    ("kernels",),                           # the C++ kernels and the one ISA dispatch point
+    ("formats", "layers"),                  # GGUF block formats; linears, attention, norms
+    ("models",),                            # model families and their loading
+    ("distributed",),                       # tensor-parallel sharding of a model; Ray helpers
+    ("sample", "spec_decode", "structured_output"),
+    ("step",),                              # the engine <-> worker step contract
+    ("worker",),                            # the model's whole life: load, KV tensors, steps
+    ("engine",),                            # requests, scheduling, detokenization
+    ("engine_args", "entrypoints", ""),     # LLM, the OpenAI server, Ray Serve
+    ("training",),
+    ("bench",),
+    ("entrypoints.cli",),                   # the command line dispatches to everything
+]
+
+
+def layer_of(module: str) -> int | None:
+    name = module.removeprefix("draftwise").removeprefix(".")
+    best = None
+    for rank, names in enumerate(LAYERS):
+        for n in names:
+            if name == n or (n and name.startswith(n + ".")):
+                if best is None or len(n) > best[0]:
+                    best = (len(n), rank)
+    return None if best is None else best[1]
+
+
+def layer_violations(graph: dict[str, set[str]]) -> list[str]:
+    out = []
+    for mod, deps in sorted(graph.items()):
+        if layer_of(mod) is None:
+            out.append(f"{mod} has no place in LAYERS")
+            continue
+        out += [f"{mod} imports {d} from a layer above it" for d in sorted(deps)
+                if d in graph and layer_of(d) is not None and layer_of(d) > layer_of(mod)]
+    return out
+
+
+def test_layer_order():
+    assert layer_violations(_import_graph()) == []
+
+
+def test_layer_order_finds_an_upward_import():
+    graph = {"draftwise.engine.engine": {"draftwise.models.loader"},
+             "draftwise.models.loader": {"draftwise.engine.engine"}, "draftwise.newpkg.x": set()}
+    assert layer_violations(graph) == ["draftwise.models.loader imports draftwise.engine.engine from a layer above it",
+                                       "draftwise.newpkg.x has no place in LAYERS"]
+
+
+def test_the_engine_reaches_the_model_only_through_the_worker():
+    model_side = ("draftwise.models", "draftwise.layers", "draftwise.kernels", "draftwise.distributed")
+    graph = _import_graph()
+    hits = [f"{m} -> {d}" for m, deps in graph.items() if m.startswith("draftwise.engine.")
+            for d in deps if d.startswith(model_side)]
+    assert hits == []
+
+
 def test_no_import_cycles():
     assert _cycles(_import_graph()) == []
 
@@ -78,3 +139,22 @@ def test_no_references_to_documents_outside_the_repository():
                 with open(os.path.join(dirpath, f), errors="replace") as fh:
                     hits += [f"{f}:{i}" for i, line in enumerate(fh, 1) if pattern.search(line)]
     assert hits == []
+
+
+def _long_functions(package: str, limit: int) -> list[str]:
+    out = []
+    for dirpath, _, files in os.walk(os.path.join(ROOT, package)):
+        for f in files:
+            if f.endswith(".py"):
+                path = os.path.join(dirpath, f)
+                out += [f"{os.path.relpath(path, ROOT)}:{n.name} ({n.end_lineno - n.lineno + 1} lines)"
+                        for n in ast.walk(ast.parse(open(path).read()))
+                        if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
+                        and n.end_lineno - n.lineno + 1 > limit]
+    return out
+
+
+def test_entrypoint_functions_read_alone():
+    """The server is made of small handlers: none over ~80 lines (a closure holding routes,
+    streaming and choice merging cannot be tested or read alone)."""
+    assert _long_functions("entrypoints", 85) == []

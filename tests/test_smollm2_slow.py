@@ -26,7 +26,7 @@ def smol():
 
 def test_greedy_matches_transformers_on_mt_bench(smol):
     from transformers import AutoModelForCausalLM
-    hf = AutoModelForCausalLM.from_pretrained(smol.engine.model_path, dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(smol.engine.worker.model_path, dtype=torch.float32).eval()
     prompts = [smol.apply_chat_template([{"role": "user", "content": q}]) for q in _mt_prompts(5)]
     sp = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
     outs = smol.generate(prompts, sp)
@@ -93,7 +93,7 @@ def test_structured_outputs_validate_on_smollm2():
     answers parse; choices are one of the choices."""
     import jsonschema
     from draftwise.bench.json_schemas import load_json_schema_prompts
-    from draftwise.structured_output import StructuredOutputParams as S
+    from draftwise.sampling_params import StructuredOutputParams as S
     convs = load_json_schema_prompts()
     prompts = [[{"role": "user", "content": c[0]}] for c in convs]
     sps = [SamplingParams(temperature=0, max_tokens=320, structured_output=S(json=c[0].schema)) for c in convs]
@@ -158,7 +158,7 @@ def test_constraints_and_penalties_are_lossless_for_every_drafter_on_smollm2(spe
     """The shipped drafters and the training-free ones, on MT-bench prompts (penalties, choice) and
     the first JSON-schema prompts: greedy output equals plain decoding with the same settings."""
     from draftwise.bench.json_schemas import load_json_schema_prompts
-    from draftwise.structured_output import StructuredOutputParams as S
+    from draftwise.sampling_params import StructuredOutputParams as S
     qs = [[{"role": "user", "content": q}] for q in _mt_prompts(3)]
     js = load_json_schema_prompts(3)
     cases = [(qs, SamplingParams(temperature=0, max_tokens=64, presence_penalty=0.8, repetition_penalty=1.2,

@@ -9,7 +9,7 @@ import pytest
 
 from draftwise import LLM, SamplingParams
 from draftwise.spec_decode.draft import Draft
-from draftwise.structured_output import StructuredOutputParams as S
+from draftwise.sampling_params import StructuredOutputParams as S
 from tests.helpers import ServerThread, drafter_specs, tiny_target_with_drafters
 from tests.spec_decode.test_spec_decode import chi2_critical, two_sample_chi2
 

@@ -6,20 +6,7 @@ import importlib.util
 import json
 import os
 
-
-def iter_jsonl(path: str):
-    """(line number, object) for every non-empty line; a malformed line is a ValueError naming it."""
-    if not os.path.exists(path):
-        raise ValueError(f"prompt file {path} does not exist")
-    with open(path, encoding="utf-8") as f:
-        for i, line in enumerate(f):
-            line = line.strip()
-            if not line:
-                continue
-            try:
-                yield i + 1, json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{i + 1} is not valid JSON: {e}") from None
+from draftwise.training.data import is_heldout, iter_jsonl, iter_sharegpt, to_messages
 
 
 def load_question_jsonl(path: str) -> list[list[str]]:
@@ -34,7 +21,6 @@ def load_question_jsonl(path: str) -> list[list[str]]:
 
 
 def load_sharegpt_heldout(n: int, path: str | None = None) -> list[list[str]]:
-    from draftwise.training.data import is_heldout, iter_sharegpt, to_messages
     out = []
     for rec in iter_sharegpt(path):
         if not is_heldout(rec.get("id", "")):

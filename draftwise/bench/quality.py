@@ -53,7 +53,7 @@ def draftwise_nll(model: str, seqs: list[list[int]], chunk: int, context: int) -
     kv = llm.engine.config.kv_torch_dtype
     t0, nll = time.perf_counter(), 0.0
     for ids in seqs:
-        nll += nll_of(chunked_logits(llm.engine.model, ids, chunk, kv), ids)
+        nll += nll_of(chunked_logits(llm.engine.worker.model, ids, chunk, kv), ids)
     return nll, time.perf_counter() - t0
 
 

@@ -30,7 +30,7 @@ def heldout_examples(tokenizer, n: int, max_len: int):
 @torch.inference_mode()
 def chunked_logits(model, ids: list[int], chunk: int, kv_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Logits of every row, the sequence fed `chunk` tokens at a time through a paged KV cache."""
-    from draftwise.engine.kv_cache import KVCache
+    from draftwise.worker.kv_cache import KVCache
     from draftwise.layers.attention import CAUSAL, AttentionMetadata
     cfg, bs = model.config, 16
     nblocks = -(-len(ids) // bs)
@@ -99,7 +99,7 @@ def main(argv=None) -> dict:
             if convs else []
         ex = heldout_examples(llm.tokenizer, a.conversations, a.max_len)
         kv_dtype = llm.engine.config.kv_torch_dtype
-        ppl = perplexity(llm.engine.model, ex, a.chunk, kv_dtype)
+        ppl = perplexity(llm.engine.worker.model, ex, a.chunk, kv_dtype)
         r = {"perplexity": round(ppl, 3), "kv_cache_dtype": str(kv_dtype).replace("torch.", "")}
         if ref is None:
             ref = outs

@@ -173,7 +173,7 @@ def _constrained(sp, history):
     schema = getattr(history[-1]["content"], "schema", None)
     if schema is None:
         return sp
-    from draftwise.structured_output import StructuredOutputParams
+    from draftwise.sampling_params import StructuredOutputParams
     return dataclasses.replace(sp, structured_output=StructuredOutputParams(json=schema))
 
 
@@ -185,7 +185,7 @@ def run_engine_method(name, spec, args, convs, bar=None, llm=None, quantization=
     sp = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=getattr(args, "ignore_eos", False))
     eng = llm.engine
     before = eng.spec_stats.as_dict()
-    eng.runner.timer.reset()
+    eng.worker.timer.reset()
     n_tokens = 0
     gen_time = 0.0
     timing = PhaseTimes()
@@ -219,9 +219,9 @@ def run_engine_method(name, spec, args, convs, bar=None, llm=None, quantization=
            "mean_acceptance_length": 1 + acc / drafts if drafts else None,
            "acceptance_per_position": [a / drafts for a in per_pos] if drafts else [],
            **timing.summary(),
-           "step_breakdown_s": {k: round(v, 3) for k, v in eng.runner.timer.totals.items()},
-           "num_steps": eng.runner.timer.steps, "outputs": outputs}
-    prop = eng.proposer
+           "step_breakdown_s": {k: round(v, 3) for k, v in eng.worker.timer.totals.items()},
+           "num_steps": eng.worker.timer.steps, "outputs": outputs}
+    prop = eng.worker.proposer
     if prop is not None and hasattr(prop, "timings"):
         res["proposer_breakdown_s"] = {k: round(v, 3) for k, v in prop.timings.items()}
     if eng.policy is not None:

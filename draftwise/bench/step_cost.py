@@ -98,7 +98,7 @@ def _measure(llm, fmt: str, threads: list[int], rows: list[int], contexts: list[
              requests: int = 1) -> list[dict]:
     from draftwise.kernels import row_argmax
     from draftwise.sample.rejection_sampler import greedy_rejection_sample
-    runner = llm.engine.runner
+    runner = llm.engine.worker.runner
     out = []
     for th in threads:
         torch.set_num_threads(th)

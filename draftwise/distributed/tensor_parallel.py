@@ -16,7 +16,7 @@ all-reduces per draft layer per drafting pass for matmuls of a few hundred KFLOP
 target's embedding / LM head through `DrafterTargetView`, which keeps full copies on rank 0.
 
 Every rank runs the same ModelRunner over its shard: rank 0 broadcasts each step's SchedulerOutput
-(distributed/worker.py `TensorParallelRunner`), every rank prepares the same tensors from it and
+(worker/tensor_parallel.py `TensorParallelRunner`), every rank prepares the same tensors from it and
 runs its shard of the forward, meeting the others at the all-reduces; only rank 0 samples. The
 model runner has no tensor-parallel branch.
 

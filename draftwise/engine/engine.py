@@ -1,186 +1,57 @@
-"""LLMEngine: owns the scheduler, the model runner and the tokenizer; `step()` advances every
-running request by one (speculative) step and reports what changed."""
+"""LLMEngine: owns the requests, the scheduler and detokenization; the Worker (worker/worker.py)
+owns the model. `step()` advances every running request by one (speculative) step and reports what
+changed."""
 from __future__ import annotations
 
 import dataclasses
 import itertools
 import logging
-import math
-import threading
 import time
-
-import torch
+from concurrent.futures import ThreadPoolExecutor
 
 from draftwise.config import EngineConfig, SpeculativeConfig
-from draftwise.engine.errors import EngineFault
+from draftwise.engine.detokenizer import IncrementalDetokenizer
 from draftwise.engine.request import Request
-from draftwise.engine.scheduler import RequestUpdate, Scheduler, SchedulerOutput
+from draftwise.engine.scheduler import RequestUpdate, Scheduler
 from draftwise.inputs import tokenize_prompt
-from draftwise.models.loader import load_target_model, load_tokenizer
-from draftwise.outputs import CompletionOutput, RequestOutput, TokenTrace
-from draftwise.sampling_params import SamplingParams
+from draftwise.outputs import CompletionOutput, RequestOutput, SpecDecodingStats, TokenTrace
+from draftwise.sampling_params import SamplingLimits, SamplingParams, validate
 from draftwise.spec_decode.allocation import DraftAllocator, StepCosts
-from draftwise.spec_decode.metrics import SpecDecodingStats
-from draftwise.worker.model_runner import ModelRunner
+from draftwise.spec_decode.policy import SpeculationPolicy
+from draftwise.step import EngineFault, SchedulerOutput
+from draftwise.structured_output import GrammarCompiler, RequestGrammar
+from draftwise.worker.worker import Worker
 
 logger = logging.getLogger("draftwise")
 
 
-def resolve_kv_cache_dtype(config: EngineConfig) -> EngineConfig:
-    """`kv_cache_dtype="auto"` made concrete: bf16 for quantized weights with fp32 activations on a
-    CPU whose row-invariant attention kernel reads 16-bit caches in registers (half the memory at the
-    same speed; those targets' linears take bf16 activations already), else the model's dtype
-    (without the kernel a 16-bit cache would fall back to per-row SDPA)."""
-    if config.kv_cache_dtype != "auto":
-        return config
-    kv = config.dtype
-    if config.quantization is not None and config.dtype == "float32" and torch.device(config.device).type == "cpu":
-        from draftwise.kernels import attention_reads_16bit
-        if attention_reads_16bit():
-            kv = "bfloat16"
-    return dataclasses.replace(config, kv_cache_dtype=kv)
-
-
 class LLMEngine:
+    """Requests, scheduling, detokenization and outputs; the Worker owns the model and runs the
+    steps the scheduler decides."""
+
     def __init__(self, config: EngineConfig):
-        self.config = config
-        if config.quantization is not None and torch.device(config.device).type == "cpu":
-            # the CPU kernels build (first run only, a compiler subprocess) while the weights load
-            from draftwise.kernels import load as load_kernels
-            threading.Thread(target=load_kernels, name="draftwise-kernel-build", daemon=True).start()
-        torch.manual_seed(config.seed)
-        self.tp = self._start_tensor_parallel() if config.tensor_parallel_size > 1 else None
-        self.model, self.model_cfg, self.model_path = load_target_model(
-            config.model, config.torch_dtype, config.device,
-            max_position=config.max_model_len + 256, quantization=config.quantization)
-        drafter_target = self.model
-        if self.tp is not None:
-            from draftwise.distributed.tensor_parallel import DrafterTargetView, shard_target
-            emb = self.model.embed_tokens.weight.detach().clone()
-            head = emb if self.model_cfg.tie_word_embeddings else self.model.lm_head.weight.detach().clone()
-            drafter_target = DrafterTargetView(self.model, emb, head)
-            shard_target(self.model, 0, config.tensor_parallel_size)
-        blocks = self._gguf_blocks()               # int4 on a GGUF: its own blocks, read once
-        self._keep_embedding_quantized(blocks)
-        self.tokenizer = load_tokenizer(self.model_path)
-        self.eos_token_ids = tuple(self.model_cfg.eos_token_ids)
-        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None \
-                and self.tokenizer.eos_token_id not in self.eos_token_ids:
-            self.eos_token_ids += (self.tokenizer.eos_token_id,)
+        self.worker = Worker(config)
+        self.config = config = self.worker.config
+        self.tokenizer, self.eos_token_ids = self.worker.tokenizer, self.worker.eos_token_ids
+        self.vocab_size = self.worker.model_cfg.vocab_size
+        self.limits = SamplingLimits(self.vocab_size, config.max_model_len)
         self.spec_config: SpeculativeConfig | None = config.speculative_config
-        self.proposer = None
-        self.num_spec_tokens = 0
-        if self.spec_config is not None:
-            from draftwise.spec_decode.factory import build_proposer
-            self.proposer = build_proposer(self.spec_config, drafter_target, self.model_cfg, config,
-                                           self.model_path)
-            self.num_spec_tokens = self.spec_config.num_speculative_tokens
-        self._prepare_linears(blocks)
-        del blocks
-        self.config = config = resolve_kv_cache_dtype(config)     # before the KV pool is sized
-        lookahead = self.proposer.num_lookahead_tokens if self.proposer else 0
-        num_blocks = config.num_kv_blocks or self._kv_blocks_for_budget(lookahead)
-        self.runner = ModelRunner(config, self.model, self.model_cfg, self.proposer, num_blocks)
-        if self.tp is not None:            # every rank runs the same runner on rank 0's SchedulerOutput
-            from draftwise.distributed.worker import TensorParallelRunner
-            self.runner = TensorParallelRunner(self.runner, self.tp)
-        step_costs = self._measured_step_costs() if self.proposer is not None else None
-        allocator = None
-        if step_costs is not None and self.spec_config.allocate_drafts:
-            allocator = DraftAllocator(StepCosts(step_costs))
-        self.scheduler = Scheduler(config, num_blocks, lookahead, allocator)
+        self.num_spec_tokens = self.spec_config.num_speculative_tokens if self.spec_config is not None else 0
+        costs = self.worker.step_costs
+        allocator = DraftAllocator(StepCosts(costs)) if costs is not None and self.spec_config.allocate_drafts else None
+        self.scheduler = Scheduler(config, self.worker.num_kv_blocks, self.worker.lookahead, allocator)
+        self.policy = None
+        if self.spec_config is not None and self.spec_config.adaptive:
+            self.policy = SpeculationPolicy(self.num_spec_tokens, prior_acceptance=self.worker.expected_acceptance)
+            self.policy.set_step_costs(costs)
         self.spec_stats = SpecDecodingStats()
         self.spec_stats_by_source: dict[str, SpecDecodingStats] = {}
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
-        self.policy = None
-        if self.spec_config is not None and self.spec_config.adaptive:
-            from draftwise.spec_decode.policy import SpeculationPolicy
-            self.policy = SpeculationPolicy(self.num_spec_tokens,
-                                            prior_acceptance=getattr(self.proposer, "expected_acceptance", None))
-            self.policy.set_step_costs(step_costs)
         self.num_steps = 0
         self._inflight = None                 # async scheduling: (SchedulerOutput, Future) of the running step
         self._grammar_compiler = None
         self._pool = None
-
-    def _kv_blocks_for_budget(self, lookahead: int) -> int:
-        """Blocks of the KV pool (target and drafter layers, the KV dtype): what kv_cache_memory
-        holds, else the default token count (config.default_kv_tokens) capped at a quarter of the
-        available memory; at least one full sequence, at most four times max_num_seqs full
-        sequences (blocks beyond the running sequences keep finished prefixes for the prefix cache;
-        a small model needs no more)."""
-        from draftwise.config import default_kv_tokens
-        from draftwise.machine import available_memory
-        c, m = self.config, self.model_cfg
-        specs = [(m.num_key_value_heads, m.head_dim)] * m.num_hidden_layers
-        if self.proposer is not None:
-            specs += self.proposer.kv_layer_specs()
-        elem = torch.empty((), dtype=c.kv_torch_dtype).element_size()
-        per_block = c.block_size * sum(2 * h * d * elem for h, d in specs)
-        blocks_per_seq = math.ceil((c.max_model_len + lookahead + 1) / c.block_size)
-        if c.kv_cache_memory is not None:
-            fit = c.kv_cache_memory // per_block
-            if fit < blocks_per_seq:
-                raise ValueError(f"kv_cache_memory={c.kv_cache_memory} bytes holds {fit} KV blocks of {c.block_size} "
-                                 f"tokens, less than one sequence of max_model_len={c.max_model_len} needs "
-                                 f"({blocks_per_seq} blocks, {blocks_per_seq * per_block} bytes)")
-        else:
-            fit = math.ceil(default_kv_tokens(c.max_num_seqs, c.max_model_len) / c.block_size)
-            avail = available_memory()
-            if avail is not None:
-                fit = min(fit, avail // 4 // per_block)
-            fit = max(fit, blocks_per_seq)
-        return int(min(fit, 4 * blocks_per_seq * c.max_num_seqs))
-
-    def _measured_step_costs(self) -> dict[int, float]:
-        """Target step seconds by token count for the draft allocation and the adaptive policy:
-        token counts up to 64 measured (a few seconds at start-up, once per model and machine);
-        past that the cost is about linear in the tokens and is extrapolated."""
-        c = self.config
-        limit = max(2, min(c.max_num_batched_tokens, c.max_num_seqs * (1 + self.num_spec_tokens), 64))
-        sizes = sorted({1 << i for i in range(7) if 1 << i < limit} | {limit})
-        return self._step_costs(sizes)
-
-    def _step_costs(self, sizes) -> dict[int, float]:
-        """Start-up table of target step costs, measured once per model, execution mode and
-        machine and cached on disk (a restart reads it back)."""
-        import hashlib
-        import json
-        import os
-        from draftwise.config import cache_dir
-        c = self.config
-        key = json.dumps([os.path.abspath(self.model_path), c.quantization, bool(c.enforce_eager), c.dtype, c.device,
-                          torch.get_num_threads(), torch.backends.cpu.get_cpu_capability(), torch.__version__,
-                          c.block_size, c.tensor_parallel_size, list(sizes)])
-        path = os.path.join(cache_dir(), "step_costs", hashlib.sha1(key.encode()).hexdigest()[:16] + ".json")
-        try:
-            with open(path) as f:
-                return {int(k): float(v) for k, v in json.load(f).items()}
-        except (OSError, ValueError):
-            pass
-        costs = self.runner.measure_target_costs(sizes)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path + ".tmp", "w") as f:
-            json.dump(costs, f)
-        os.replace(path + ".tmp", path)
-        return costs
-
-    def _start_tensor_parallel(self):
-        """Check the sharding fits, then start the worker ranks (rank 0 is this process)."""
-        from draftwise.config import ModelConfig
-        from draftwise.distributed.tensor_parallel import check_divisibility
-        from draftwise.distributed.worker import TPDriver, threads_per_rank
-        from draftwise.models.loader import read_config_json, resolve_model_dir
-        config, world = self.config, self.config.tensor_parallel_size
-        if config.quantization is not None:
-            raise ValueError("quantization together with tensor parallelism is not supported")
-        check_divisibility(ModelConfig.from_hf_dict(read_config_json(resolve_model_dir(config.model))), world)
-        if not config.enforce_eager:
-            raise ValueError("tensor parallelism runs eager steps: compiled graphs (--compile / "
-                             "enforce_eager=False) are not supported with tensor_parallel_size > 1")
-        torch.set_num_threads(threads_per_rank(world))
-        return TPDriver(config, world)
 
     def shutdown(self) -> None:
         """Finish an in-flight step and stop worker threads / tensor-parallel workers (idempotent)."""
@@ -191,55 +62,7 @@ class LLMEngine:
         if self._pool is not None:
             self._pool.shutdown()
             self._pool = None
-        if self.tp is not None:
-            self.tp.shutdown()
-
-    def _gguf_blocks(self):
-        """int4 on a GGUF: the file's own blocks (models/gguf_weights.py, decoded on demand), so
-        its Q4_1 / Q4_0 layer weights and its embedding stay exact; {} otherwise ("gguf" models are
-        built from their blocks by the loader)."""
-        from draftwise.models.loader import gguf_path_for
-        gguf = gguf_path_for(self.config.model)
-        if gguf is None or self.config.quantization != "int4" or self.tp is not None:
-            return {}
-        from draftwise.models.gguf_weights import GGUFBlocks
-        return GGUFBlocks(gguf)
-
-    def _keep_embedding_quantized(self, blocks) -> None:
-        """Look tokens up in the GGUF's own embedding blocks instead of the dense fp32 table (exact;
-        a quarter of the table's memory or less). Done before the drafters are built, since they
-        share the target's embedding; the LM head keeps reading the dense weight until the
-        quantization below replaces it."""
-        parts = blocks.get("embed_tokens")
-        if not parts or tuple(parts[0].codes.shape) != tuple(self.model.embed_tokens.weight.shape):
-            return
-        from draftwise.layers.quant import GroupAffineEmbedding
-        self.model.embed_tokens = GroupAffineEmbedding(parts[0], dtype=self.config.torch_dtype).to(self.config.device)
-
-    def _prepare_linears(self, blocks) -> None:
-        """Weight-only quantization (layers/quant.py), else, on CPU, the weight layout the execution
-        mode reads fastest (layers/linear.py); the drafter's linears get the same treatment (int8
-        per channel when quantizing: its weights are not GGUF blocks, and 8 bits keep it close)."""
-        config = self.config
-        draft = getattr(self.proposer, "model", None)
-        if config.quantization is not None:
-            from draftwise.layers.quant import quantize_model
-            if config.quantization != "gguf":         # a "gguf" model was built on its blocks by the loader
-                quantize_model(self.model, config.quantization, blocks)
-            if draft is not None:
-                quantize_model(draft, "int8")
-            if config.quantization in ("int4", "gguf") and config.enforce_eager and hasattr(self.model, "layers"):
-                # eager steps: each decoder layer in two C++ calls around attention
-                from draftwise.layers.fused_layer import enable_fused_layers
-                enable_fused_layers(self.model)
-            return
-        if torch.device(config.device).type == "cpu" and self.tp is None:
-            # compiled graphs read a transposed copy of every weight (and only that copy)
-            from draftwise.layers.linear import prepare_linears_for_inference
-            compiled = not config.enforce_eager
-            prepare_linears_for_inference(self.model, compiled)
-            if draft is not None:
-                prepare_linears_for_inference(draft, compiled)
+        self.worker.shutdown()
 
     # --- requests ----------------------------------------------------------------------------------
     def tokenize_prompt(self, prompt) -> tuple[str | None, list[int]]:
@@ -255,7 +78,7 @@ class LLMEngine:
         if len(ids) >= self.config.max_model_len:
             raise ValueError(f"prompt is {len(ids)} tokens, longer than max_model_len={self.config.max_model_len} "
                              "allows (it must leave room for at least one new token)")
-        vocab = self.model_cfg.vocab_size
+        vocab = self.vocab_size
         if any(t < 0 or t >= vocab for t in ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
         if params.top_k >= vocab:           # keeping every token: the same as no top-k (as vLLM clamps)
@@ -263,15 +86,11 @@ class LLMEngine:
         rid = request_id if request_id is not None else str(next(self._ids))
         if rid in self.requests:
             raise ValueError(f"request id {rid!r} is already in use")
-        for name in ("logit_bias", "allowed_token_ids"):
-            bad = [t for t in (getattr(params, name) or ()) if t >= vocab]
-            if bad:
-                raise ValueError(f"{name} has token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
+        validate(params, self.limits)        # token ids against this model's vocabulary
         req = Request(rid, ids, params, text, self.eos_token_ids)
         if params.bad_words:
             req.bad_words_ids = self._bad_words_ids(params.bad_words)
         if params.structured_output is not None:
-            from draftwise.structured_output import RequestGrammar
             req.grammar = RequestGrammar(self.compile_grammar(params.structured_output))
         self.requests[rid] = req
         self.scheduler.add(req)
@@ -295,8 +114,7 @@ class LLMEngine:
         if self.tokenizer is None:
             raise ValueError("structured outputs need the model's tokenizer")
         if self._grammar_compiler is None:
-            from draftwise.structured_output import GrammarCompiler
-            self._grammar_compiler = GrammarCompiler(self.tokenizer, self.model_cfg.vocab_size, self.eos_token_ids)
+            self._grammar_compiler = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
         return self._grammar_compiler.compile(spec)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
@@ -306,14 +124,13 @@ class LLMEngine:
             return None
         if not req.is_finished:
             self.scheduler.finish(req, "abort")
-            if self.proposer is not None:
-                self.proposer.on_request_finished(req)
+            self.worker.on_request_finished(req)
         return self._make_output(req, [], "")
 
     @property
     def fault(self) -> str | None:
         """Why the engine can no longer step (a tensor-parallel rank died), None while healthy."""
-        return self.tp.broken if self.tp is not None else None
+        return self.worker.fault
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or self._inflight is not None
@@ -322,13 +139,13 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         if self.config.async_scheduling:
             return self._step_async()
-        t0, fwd0 = time.perf_counter(), self.runner.timer.totals.get("target_forward", 0.0)
-        draft0 = self.runner.timer.totals.get("drafting", 0.0)
+        t0, fwd0 = time.perf_counter(), self.worker.timer.totals.get("target_forward", 0.0)
+        draft0 = self.worker.timer.totals.get("drafting", 0.0)
         sched = self.scheduler.schedule()
         if not sched.scheduled:
             return self._nothing_scheduled()
         try:
-            step = self.runner.execute(sched)
+            step = self.worker.execute(sched)
         except EngineFault:
             raise
         except Exception as err:             # noqa: BLE001 - find whose fault it was
@@ -339,8 +156,8 @@ class LLMEngine:
         allocator = self.scheduler.draft_allocator
         if allocator is not None:            # what this step cost, for the allocation's cost model
             # (drafting apart: the allocator weighs it separately, against skipping the drafter)
-            fwd = self.runner.timer.totals.get("target_forward", 0.0) - fwd0
-            drafting = self.runner.timer.totals.get("drafting", 0.0) - draft0
+            fwd = self.worker.timer.totals.get("target_forward", 0.0) - fwd0
+            drafting = self.worker.timer.totals.get("drafting", 0.0) - draft0
             allocator.costs.observe_step(sum(len(s.token_ids) for s in sched.scheduled), fwd,
                                          time.perf_counter() - t0 - fwd - drafting)
         return outputs
@@ -395,16 +212,15 @@ class LLMEngine:
         """Start `sched` on the model thread; if preparing it fails, run it through `_isolate`
         instead and return those items."""
         if self._pool is None:
-            from concurrent.futures import ThreadPoolExecutor
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="draftwise-model")
         try:
-            inputs = self.runner.prepare(sched)      # tensors built here: the scheduler may move on
+            inputs = self.worker.prepare(sched)      # tensors built here: the scheduler may move on
         except EngineFault:
             raise
         except Exception as err:                     # noqa: BLE001
             return self._isolate(sched, err)
         self.scheduler.begin_flight(sched)
-        self._inflight = (sched, self._pool.submit(self.runner.run, inputs))
+        self._inflight = (sched, self._pool.submit(self.worker.run, inputs))
         return None
 
     # --- failure isolation ------------------------------------------------------------------------
@@ -423,7 +239,7 @@ class LLMEngine:
         for s in scheds:
             solo = SchedulerOutput([s])
             try:
-                step = self.runner.execute(solo)
+                step = self.worker.execute(solo)
             except EngineFault:
                 raise
             except Exception as e:               # noqa: BLE001
@@ -446,7 +262,7 @@ class LLMEngine:
         for u in updates:
             if u.num_draft_tokens:
                 self._observe_drafts(u)
-        self.runner.timer.add("bookkeeping", time.perf_counter() - t0)
+        self.worker.timer.add("bookkeeping", time.perf_counter() - t0)
         self.num_steps += 1
         return updates
 
@@ -471,7 +287,7 @@ class LLMEngine:
             return
         t_draft = time.perf_counter()
         try:
-            drafts = self.runner.propose(step, k)
+            drafts = self.worker.propose(step, k)
         except Exception:                    # noqa: BLE001 - drafts only ever save time
             logger.exception("the drafter failed; this step's requests decode without drafts")
             return
@@ -496,9 +312,9 @@ class LLMEngine:
         for o in outputs:
             if o.finished:
                 req = self.requests.pop(o.request_id, None)
-                if req is not None and self.proposer is not None:
-                    self.proposer.on_request_finished(req)
-        self.runner.timer.add("bookkeeping", time.perf_counter() - t0)
+                if req is not None:
+                    self.worker.on_request_finished(req)
+        self.worker.timer.add("bookkeeping", time.perf_counter() - t0)
         return outputs
 
     def _detokenize(self, req: Request, u: RequestUpdate) -> str:
@@ -509,7 +325,6 @@ class LLMEngine:
         if self.tokenizer is None:
             return ""
         if req.detokenizer is None:
-            from draftwise.engine.detokenizer import IncrementalDetokenizer
             req.detokenizer = IncrementalDetokenizer(self.tokenizer)
         old = req.text
         if req.spec_trace is None:
@@ -549,7 +364,7 @@ class LLMEngine:
              "prefix_cache": self.scheduler.allocator.stats(),
              "num_running": len(self.scheduler.running), "num_waiting": len(self.scheduler.waiting),
              "num_steps": self.num_steps,
-             "step_time_s": dict(self.runner.timer.totals)}
+             "step_time_s": dict(self.worker.timer.totals)}
         if self.policy is not None:
             d["speculation_policy"] = self.policy.table()
         if self.scheduler.draft_allocator is not None:

@@ -1,44 +1,9 @@
-"""The paged KV cache: one pool of fixed-size blocks shared by the target's layers
-(`layers.0 … layers.N-1`) and the drafter's layers (`layers.N …`), and the block allocator.
-
-Layers with the same (num_kv_heads, head_dim) share one tensor; every layer is addressed by the
-same slots: `slot = block_table[pos // block_size] * block_size + pos % block_size`.
+"""The paged KV cache's bookkeeping: the block allocator with automatic prefix caching, and the
+block hashes that name a prefix. The tensors themselves belong to the worker (worker/kv_cache.py);
+the scheduler hands out block ids and every layer addresses them by the same slots:
+`slot = block_table[pos // block_size] * block_size + pos % block_size`.
 """
 from __future__ import annotations
-
-
-import torch
-
-
-class KVCache:
-    def __init__(self, num_blocks: int, block_size: int, layer_specs: list[tuple[int, int]],
-                 dtype: torch.dtype, device: str | torch.device):
-        self.num_blocks, self.block_size = num_blocks, block_size
-        self.num_slots = num_blocks * block_size
-        self.layer_specs = list(layer_specs)
-        groups: dict[tuple[int, int], list[int]] = {}
-        for i, spec in enumerate(self.layer_specs):
-            groups.setdefault(spec, []).append(i)
-        self._layers: list = [None] * len(self.layer_specs)
-        for (hkv, hd), idxs in groups.items():
-            t = torch.zeros(len(idxs), 2, self.num_slots, hkv, hd, dtype=dtype, device=device)
-            for j, li in enumerate(idxs):
-                self._layers[li] = (t[j, 0], t[j, 1])
-
-    @property
-    def num_layers(self) -> int:
-        return len(self._layers)
-
-    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._layers[i]
-
-    def copy_slots(self, src: torch.Tensor, dst: torch.Tensor, layers: range | None = None) -> None:
-        """Move K/V entries src -> dst (same length) in the given layers (all by default); used to
-        keep only the accepted path of a verified tree."""
-        for i in (layers if layers is not None else range(self.num_layers)):
-            k, v = self._layers[i]
-            k.index_copy_(0, dst, k[src])
-            v.index_copy_(0, dst, v[src])
 
 
 class BlockAllocator:

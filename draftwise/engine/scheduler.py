@@ -12,11 +12,10 @@ through `add_drafts()`. The scheduler is tested with hand-built outputs, no mode
 """
 from __future__ import annotations
 
-import copy
 import math
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from draftwise.config import EngineConfig
@@ -24,9 +23,10 @@ from draftwise.engine.kv_cache import BlockAllocator, block_hashes
 from draftwise.engine.request import Request, RequestStatus
 from draftwise.spec_decode.allocation import DraftAllocator
 from draftwise.spec_decode.draft import Draft
+from draftwise.step import ScheduledRequest, SchedulerOutput
 
 if TYPE_CHECKING:
-    from draftwise.spec_decode.tree import TreeDraft
+    from draftwise.step import ModelRunnerOutput
 
 
 def keeps_whole_drafts(req: Request) -> bool:
@@ -34,63 +34,6 @@ def keeps_whole_drafts(req: Request) -> bool:
     drafts they verify decide the random numbers they draw, so their tokens must not depend on
     measured step costs."""
     return req.params.seed is not None and not req.params.greedy
-
-
-@dataclass
-class ScheduledRequest:
-    """One request's share of a step."""
-    request: Request
-    start_pos: int              # == num_computed_tokens when scheduled
-    token_ids: list[int]        # tokens fed this step: the not-yet-computed prefix, then the draft
-    num_draft_tokens: int
-    draft: Draft | None = None  # the draft being verified (cut to num_draft_tokens), None if none
-    completes_prompt: bool = field(init=False)  # every known token is computed after it: one is sampled
-    tree: TreeDraft | None = field(init=False)  # verification tree of a branching draft, None for chains
-
-    def __post_init__(self):
-        self.completes_prompt = self.start_pos + self.num_prefix_tokens >= self.request.num_tokens
-        self.tree = None
-        if self.draft is not None and not self.draft.is_chain:
-            self.tree = self.draft.verification_tree(self.token_ids[self.num_prefix_tokens - 1])
-
-    @property
-    def num_new_tokens(self) -> int:
-        return len(self.token_ids)
-
-    @property
-    def num_prefix_tokens(self) -> int:
-        return len(self.token_ids) - self.num_draft_tokens
-
-
-@dataclass
-class RequestView:
-    """What a target forward reads of a request (its KV blocks): the picklable stand-in for a
-    Request in the SchedulerOutput that tensor-parallel worker ranks receive."""
-    request_id: str
-    block_ids: list[int]
-    num_tokens: int
-
-
-@dataclass
-class SchedulerOutput:
-    """What one step runs: the scheduled requests in batch order, and those preempted to make room."""
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
-    preempted: list[Request] = field(default_factory=list)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
-
-    def for_workers(self) -> "SchedulerOutput":
-        """The step as worker ranks run it: the same scheduled rows (tokens, positions, drafts and
-        their verification trees), each request reduced to a RequestView (requests carry sampling
-        state, grammar matchers and detokenizers that neither pickle nor matter to a forward)."""
-        scheduled = []
-        for s in self.scheduled:
-            v = copy.copy(s)
-            v.request = RequestView(s.request.request_id, list(s.request.block_ids), s.request.num_tokens)
-            scheduled.append(v)
-        return SchedulerOutput(scheduled)
 
 
 @dataclass
@@ -310,7 +253,7 @@ class Scheduler:
             budget -= n
         return out
 
-    def update_from_output(self, out: SchedulerOutput, result) -> list[RequestUpdate]:
+    def update_from_output(self, out: SchedulerOutput, result: ModelRunnerOutput) -> list[RequestUpdate]:
         """Apply a step's result (a ModelRunnerOutput: per scheduled request the accepted drafts and
         the sampled token, the accepted count, logprobs) to the requests: computed tokens, output
         tokens cut at a stop condition, finished requests, per-request metrics. Returns an update per

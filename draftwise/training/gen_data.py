@@ -75,10 +75,9 @@ def load_gen_prompts(tokenizer, data: str | None, split: str, with_reply: bool =
     (default) honours the held-out split;
     a .jsonl file gives one prompt per line ({"prompt"}, Spec-Bench {"turns": [...]} or
     {"conversations"/"messages": [...]})."""
-    from draftwise.training.data import is_heldout, iter_sharegpt, to_messages
+    from draftwise.training.data import is_heldout, iter_jsonl, iter_sharegpt, to_messages
     convs: list[list[dict]] = []
     if data is not None and data.endswith(".jsonl"):
-        from draftwise.bench.datasets import iter_jsonl
         for _, rec in iter_jsonl(data):
             if not isinstance(rec, dict):
                 continue
@@ -162,13 +161,11 @@ def generate_data(cfg: GenDataConfig, progress: bool = True) -> dict:
     tok = engine.tokenizer
     if tok is None:
         raise ValueError(f"target {cfg.target} has no tokenizer/chat template")
-    model = engine.model
-    N = model.config.num_hidden_layers
-    layers = tuple(cfg.aux_layers) if cfg.aux_layers else default_capture_layers(N)
-    model.set_aux_hidden_state_layers(layers)
-    H = model.config.hidden_size
+    model_cfg = engine.worker.model_cfg
+    layers = tuple(cfg.aux_layers) if cfg.aux_layers else default_capture_layers(model_cfg.num_hidden_layers)
+    H = model_cfg.hidden_size
     recorder = HiddenStateRecorder(max_len + 1, len(layers) * H, H)
-    engine.runner.hidden_recorder = recorder
+    engine.worker.record_hidden_states(layers, recorder)
 
     convs = load_gen_prompts(tok, cfg.data, cfg.split, with_reply=cfg.teacher_forced)
     if cfg.num_prompts is not None:

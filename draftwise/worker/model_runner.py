@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from draftwise.config import EngineConfig, ModelConfig
-from draftwise.engine.kv_cache import KVCache
-from draftwise.engine.scheduler import SchedulerOutput
 from draftwise.kernels import row_argmax
 from draftwise.layers.attention import CAUSAL, TREE, AttentionMetadata, slots_for_positions
 from draftwise.sample.rejection_sampler import greedy_rejection_sample, rejection_sample
@@ -18,24 +16,10 @@ from draftwise.sample.sampler import SamplingMetadata
 from draftwise.spec_decode.draft import Draft
 from draftwise.spec_decode.metadata import SpecDecodeMetadata
 from draftwise.spec_decode.proposer import Proposer, ProposerInput
+from draftwise.step import ModelRunnerOutput, SchedulerOutput
+from draftwise.worker.kv_cache import KVCache
 
 logger = logging.getLogger("draftwise")
-
-
-@dataclass
-class ModelRunnerOutput:
-    """Result of one target step (Scheduler.update_from_output reads the first four fields; the
-    proposer reads the rest for the next step's drafts)."""
-    sched: SchedulerOutput
-    new_token_ids: list[list[int]]        # per scheduled request: accepted drafts + sampled token
-    num_accepted: list[int]
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    aux_hidden_states: torch.Tensor | None
-    block_tables: torch.Tensor
-    query_start: list[int]
-    accepted_rows: list[list[int]] = field(default_factory=list)  # tree: rows of the accepted path
-    logprobs: list = field(default_factory=list)   # per request: TokenLogprob per new token, or None
 
 
 @dataclass

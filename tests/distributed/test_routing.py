@@ -3,7 +3,7 @@ import random
 
 import pytest
 
-from draftwise.distributed.routing import AffinityRouter, ReplicaLoad, RouteRequest, RoutingConfig
+from draftwise.entrypoints.ray_serve.routing import AffinityRouter, ReplicaLoad, RouteRequest, RoutingConfig
 
 BS = 4
 

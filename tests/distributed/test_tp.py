@@ -75,7 +75,7 @@ def test_bad_tensor_parallel_sizes(targets):
 def test_a_crashed_worker_fails_requests_with_a_clear_error(targets):
     llm = LLM(targets["llama"], speculative_config=None, block_size=4, max_model_len=128, tensor_parallel_size=2)
     assert _gen(llm, GREEDY)
-    worker = llm.engine.tp.ranks.procs[0]
+    worker = llm.engine.worker.tp.ranks.procs[0]
     os.kill(worker.pid, signal.SIGKILL)
     worker.wait(10)
     t0 = time.time()
@@ -101,4 +101,4 @@ def test_serve_with_tensor_parallelism_answers_the_openai_client(targets, tmp_pa
         r = client.completions.create(model="tp", prompt="Hello world, how are", max_tokens=8, temperature=0)
         want = ref.generate(["Hello world, how are"], SamplingParams(temperature=0, max_tokens=8))[0]
         assert r.choices[0].text == want.outputs[0].text
-    assert llm.engine.tp.closed                  # the app's shutdown released the workers
+    assert llm.engine.worker.tp.closed                  # the app's shutdown released the workers

@@ -35,7 +35,7 @@ def test_tp2_across_two_nodes_equals_tp1_and_a_dead_rank_fails_fast(ray_driver, 
     spec = {"method": "ngram", "num_speculative_tokens": 3}
     two = LLM(path, speculative_config=spec, tensor_parallel_size=2, distributed_executor_backend="ray", **kw)
     try:
-        ranks = two.engine.tp.ranks
+        ranks = two.engine.worker.tp.ranks
         assert ranks.node_ips == [ray_driver.ips[1]]       # rank 1 runs on the other node
         assert _gen(two, GREEDY) == _gen(one, GREEDY)
         with ServerThread(build_app(two, "tp-ray")) as srv:

@@ -5,7 +5,7 @@ under async scheduling does not wedge later steps; a failing drafter only costs 
 import pytest
 
 from draftwise import LLM, SamplingParams
-from draftwise.engine.errors import EngineFault
+from draftwise.step import EngineFault
 from draftwise.sample import sampler as sampler_mod
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [3] * 20, list(range(30, 70)), [7, 7, 7]]
@@ -68,11 +68,11 @@ def test_engine_fault_raises_and_engine_recovers(tiny_llama, monkeypatch, async_
     engine = llm.engine
     prompts = [{"prompt_token_ids": p} for p in PROMPTS[:2]]
     ref = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
-    real_run = engine.runner.run
+    real_run = engine.worker.runner.run
 
     def broken(inp):
         raise RuntimeError("injected model-thread failure")
-    monkeypatch.setattr(engine.runner, "run", broken)
+    monkeypatch.setattr(engine.worker.runner, "run", broken)
     ids = [engine.add_request(p, GREEDY) for p in prompts]
     with pytest.raises(EngineFault, match="injected model-thread failure"):
         for _ in range(3):
@@ -80,7 +80,7 @@ def test_engine_fault_raises_and_engine_recovers(tiny_llama, monkeypatch, async_
     assert engine._inflight is None
     for rid in ids:
         engine.abort_request(rid)
-    monkeypatch.setattr(engine.runner, "run", real_run)
+    monkeypatch.setattr(engine.worker.runner, "run", real_run)
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)] == ref
     assert all(r == 0 for r in engine.scheduler.allocator.ref)
 
@@ -94,7 +94,7 @@ def test_transient_model_failure_is_retried(tiny_llama, monkeypatch, async_sched
     engine = llm.engine
     prompts = [{"prompt_token_ids": p} for p in PROMPTS]
     ref = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
-    real_run = engine.runner.run
+    real_run = engine.worker.runner.run
     calls = {"n": 0}
 
     def flaky(inp):
@@ -102,7 +102,7 @@ def test_transient_model_failure_is_retried(tiny_llama, monkeypatch, async_sched
         if calls["n"] == 3:
             raise RuntimeError("transient")
         return real_run(inp)
-    monkeypatch.setattr(engine.runner, "run", flaky)
+    monkeypatch.setattr(engine.worker.runner, "run", flaky)
     outs = llm.generate(prompts, GREEDY)
     assert calls["n"] > 3
     assert [o.outputs[0].token_ids for o in outs] == ref
@@ -116,6 +116,6 @@ def test_failing_drafter_only_costs_speed(tiny_llama, monkeypatch):
 
     def broken(*a, **k):
         raise RuntimeError("drafter broke")
-    monkeypatch.setattr(llm.engine.proposer, "propose", broken)
+    monkeypatch.setattr(llm.engine.worker.proposer, "propose", broken)
     outs = llm.generate(prompts, GREEDY)
     assert [o.outputs[0].token_ids for o in outs] == ref

@@ -61,7 +61,7 @@ def test_16_bit_kv_cache(tiny_llama, quantization):
     path, _ = tiny_llama
     kw = dict(block_size=4, max_model_len=128, max_num_seqs=4, kv_cache_dtype="bfloat16", quantization=quantization)
     llm = LLM(path, speculative_config={"method": "ngram", "num_speculative_tokens": 3}, **kw)
-    assert llm.engine.runner.kv_cache.layer(0)[0].dtype == torch.bfloat16
+    assert llm.engine.worker.runner.kv_cache.layer(0)[0].dtype == torch.bfloat16
     plain = LLM(path, speculative_config=None, **kw)
     outs = llm.generate(PROMPTS, GREEDY)
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain.generate(PROMPTS, GREEDY)]
@@ -81,10 +81,10 @@ def test_auto_kv_dtype_and_default_budget(tiny_llama, kernel, monkeypatch):
     """"auto": bf16 for quantized weights where the attention kernel reads 16-bit caches, the
     model's dtype otherwise; the default pool holds the same tokens either way (max_num_seqs x 512
     plus one full sequence)."""
-    import draftwise.kernels as K
+    import draftwise.worker.worker as W
     from draftwise.config import EngineConfig, default_kv_tokens
-    from draftwise.engine.engine import resolve_kv_cache_dtype
-    monkeypatch.setattr(K, "attention_reads_16bit", lambda: kernel)
+    from draftwise.worker.worker import resolve_kv_cache_dtype
+    monkeypatch.setattr(W, "attention_reads_16bit", lambda: kernel)
     path, _ = tiny_llama
     int4 = resolve_kv_cache_dtype(EngineConfig(model=path, quantization="int4"))
     assert int4.kv_torch_dtype == (torch.bfloat16 if kernel else torch.float32)
@@ -93,18 +93,18 @@ def test_auto_kv_dtype_and_default_budget(tiny_llama, kernel, monkeypatch):
     assert resolve_kv_cache_dtype(asked).kv_torch_dtype == torch.float32
     llm = LLM(path, block_size=4, max_model_len=2048, max_num_seqs=64, quantization="int4")
     per_block = 4 * 4 * 2 * 2 * 16 * (2 if kernel else 4)     # tokens x layers x K,V x heads x dim x bytes
-    assert llm.engine.runner.kv_cache.layer(0)[0].dtype == (torch.bfloat16 if kernel else torch.float32)
+    assert llm.engine.worker.runner.kv_cache.layer(0)[0].dtype == (torch.bfloat16 if kernel else torch.float32)
     assert per_block <= 4096
     assert llm.engine.scheduler.allocator.num_blocks == default_kv_tokens(64, 2048) // 4 == (64 * 512 + 2048) // 4
 
 
 def test_default_kv_pool_is_capped_by_available_memory(tiny_llama, monkeypatch):
-    import draftwise.machine as machine
+    import draftwise.worker.worker as W
     path, _ = tiny_llama
     quarter = 400 * 1024
-    monkeypatch.setattr(machine, "available_memory", lambda: 4 * quarter)
+    monkeypatch.setattr(W, "available_memory", lambda: 4 * quarter)
     llm = LLM(path, block_size=4, max_model_len=256, max_num_seqs=64, quantization="int4", kv_cache_dtype="bfloat16")
-    kv = llm.engine.runner.kv_cache
+    kv = llm.engine.worker.runner.kv_cache
     blocks = llm.engine.scheduler.allocator.num_blocks
     pool = sum(t.numel() * t.element_size() for i in range(4) for t in kv.layer(i))
     assert blocks < (64 * 512 + 256) // 4                 # the default token count did not fit

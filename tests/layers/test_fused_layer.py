@@ -32,7 +32,7 @@ def test_fused_layers_match_the_eager_layers(tiny_llama, monkeypatch):
     monkeypatch.setattr(L, "fused_stack_forward", lambda *a: None)    # the per-layer path (the stack: below)
     path, _ = tiny_llama
     llm = _int4(path, monkeypatch)
-    model, runner = llm.engine.model, llm.engine.runner
+    model, runner = llm.engine.worker.model, llm.engine.worker.runner
     assert all(layer.fused is not None for layer in model.layers)
     calls.clear()
     with torch.inference_mode():
@@ -53,7 +53,7 @@ def test_fused_rows_do_not_depend_on_their_neighbours(tiny_llama, monkeypatch):
     """Logits of a row are bit-equal whether it is fed alone or among 7 others."""
     path, _ = tiny_llama
     llm = _int4(path, monkeypatch)
-    model, runner = llm.engine.model, llm.engine.runner
+    model, runner = llm.engine.worker.model, llm.engine.worker.runner
     cfg, bs = model.config, runner.block_size
     ids = torch.tensor([9, 4, 33, 12, 7, 50, 2, 18])
     with torch.inference_mode():
@@ -75,11 +75,11 @@ def test_speculation_on_fused_layers_is_lossless(tiny_llama, monkeypatch, kv):
     """The fused layer writes K/V into the cache itself, in the cache's dtype."""
     path, _ = tiny_llama
     plain = _int4(path, monkeypatch, kv)
-    assert plain.engine.model.layers[0].fused is not None
-    assert plain.engine.runner.kv_cache.layer(0)[0].dtype == getattr(torch, kv)
+    assert plain.engine.worker.model.layers[0].fused is not None
+    assert plain.engine.worker.runner.kv_cache.layer(0)[0].dtype == getattr(torch, kv)
     ref = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, GREEDY)]
     unfused = _int4(path, monkeypatch, kv)
-    for layer in unfused.engine.model.layers:
+    for layer in unfused.engine.worker.model.layers:
         layer.fused = None
     # the same tokens as the eager layers (whose values agree to the last few fp32 bits)
     assert [o.outputs[0].token_ids for o in unfused.generate(PROMPTS, GREEDY)] == ref
@@ -96,7 +96,7 @@ def test_a_long_prefill_chunk_beside_decode_rows(tiny_llama, monkeypatch):
     would alone: the decode row's logits and the chunk's last row bit-equal to their own steps."""
     path, _ = tiny_llama
     llm = _int4(path, monkeypatch)
-    model, runner = llm.engine.model, llm.engine.runner
+    model, runner = llm.engine.worker.model, llm.engine.worker.runner
     assert model.layers[0].fused is not None
     bs = runner.block_size
     n = 40                                                        # > 32 rows: a long chunk
@@ -131,7 +131,7 @@ def test_the_layer_stack_in_one_call_equals_the_per_layer_path(tiny_llama, monke
     import draftwise.models.llama as L
     path, _ = tiny_llama
     llm = _int4(path, monkeypatch, kv)
-    model, runner = llm.engine.model, llm.engine.runner
+    model, runner = llm.engine.worker.model, llm.engine.worker.runner
     model.set_aux_hidden_state_layers((0, 2))
     stacked = []
     real = L.fused_stack_forward

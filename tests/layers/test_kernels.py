@@ -94,7 +94,7 @@ def test_speculation_on_the_kernel_is_lossless(isa_kernels, tiny_llama):
     greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     prompts = [{"prompt_token_ids": p} for p in ([5, 6, 7, 8, 9, 10, 11], [3] * 20, list(range(30, 70)), [7, 7, 7])]
     plain = LLM(path, block_size=4, max_model_len=256, quantization="int4", speculative_config=None)
-    lin = plain.engine.model.layers[0].mlp.gate_up_proj
+    lin = plain.engine.worker.model.layers[0].mlp.gate_up_proj
     assert lin.draftwise_kernel and not hasattr(lin, "packed")       # one copy, the kernel's
     ref = [o.outputs[0].token_ids for o in plain.generate(prompts, greedy)]
     for spec in ({"method": "ngram", "num_speculative_tokens": 3}, {"method": "suffix"}):

@@ -70,7 +70,7 @@ def test_speculation_on_a_quantized_target_is_lossless(tiny_llama, tmp_path, mod
     plain = LLM(path, block_size=4, max_model_len=256, quantization=mode)
     ref = [o.outputs[0].token_ids for o in plain.generate(prompts, GREEDY)]
     fp32 = [o.outputs[0].token_ids for o in LLM(path, block_size=4, max_model_len=256).generate(prompts, GREEDY)]
-    assert any(isinstance(m, (Int4Linear, Int8Linear)) for m in plain.engine.model.modules())
+    assert any(isinstance(m, (Int4Linear, Int8Linear)) for m in plain.engine.worker.model.modules())
     assert ref != [[]] * len(prompts) and len(ref) == len(fp32)
     ck = write_eagle3_checkpoint(str(tmp_path / "eagle"), load_cfg(path), seed=1)
     for spec in ({"method": "eagle3", "model": ck, "num_speculative_tokens": 3},

@@ -38,13 +38,13 @@ def test_every_family_runs_on_its_own_blocks(gguf_file, kernel_isa):
     llm = LLM(model=gguf_file, max_model_len=256, max_num_batched_tokens=64)
     eng = llm.engine
     assert eng.config.quantization == "gguf"
-    mods = list(eng.model.modules())
-    assert isinstance(eng.model.embed_tokens, GroupAffineEmbedding)
+    mods = list(eng.worker.model.modules())
+    assert isinstance(eng.worker.model.embed_tokens, GroupAffineEmbedding)
     lins = [m for m in mods if isinstance(m, (GroupAffineLinear, Int4Linear))]
     assert len(lins) == 2 * 4 + 1                  # qkv, o, gate_up, down per layer, and the head
     assert not any(isinstance(m, torch.nn.Linear) for m in mods)
     # every layer runs fused on the kernels (int4 and group-affine linears, biases included)
-    assert all((layer.fused is not None) == (kernel_isa != "none") for layer in eng.model.layers)
+    assert all((layer.fused is not None) == (kernel_isa != "none") for layer in eng.worker.model.layers)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in (20, 70, 150)]
     alone = [_tokens(llm, [p])[0] for p in prompts]

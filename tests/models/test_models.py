@@ -38,12 +38,12 @@ def test_llama3_rope_scaling_and_tied_embeddings(tmp_path):
 def test_aux_hidden_states_are_pre_layer_residuals(tiny_llama):
     path, hf = tiny_llama
     llm = LLM(path, block_size=4, max_model_len=128)
-    model = llm.engine.model
+    model = llm.engine.worker.model
     model.set_aux_hidden_state_layers((0, 2, 3))
     ids = torch.tensor([5, 6, 7, 8, 9])
-    from draftwise.engine.kv_cache import KVCache
+    from draftwise.worker.kv_cache import KVCache
     from draftwise.layers.attention import AttentionMetadata
-    cfg = llm.engine.model_cfg
+    cfg = llm.engine.worker.model_cfg
     cache = KVCache(4, 4, [(cfg.num_key_value_heads, cfg.head_dim)] * cfg.num_hidden_layers, torch.float32, "cpu")
     meta = AttentionMetadata(torch.arange(5), [5], [5], torch.arange(4)[None], 4).finalize()
     with torch.no_grad():

@@ -9,7 +9,7 @@ import torch
 
 from draftwise import LLM, SamplingParams
 from draftwise.config import ModelConfig
-from draftwise.engine.kv_cache import KVCache
+from draftwise.worker.kv_cache import KVCache
 from draftwise.layers.attention import CAUSAL, AttentionMetadata
 from draftwise.models.dflash import (dflash_capture_layers, default_target_layer_ids, load_dflash_checkpoint,
                                      save_dflash_checkpoint, spread_target_layer_ids)
@@ -64,7 +64,7 @@ def test_greedy_matches_non_speculative(tiny_llama, llama_ckpt, llama_ref, sampl
     llm = _llm(path, {"method": "dflash", "model": llama_ckpt, "num_speculative_tokens": 3,
                       "rejection_sampler": sampler})
     assert _gen(llm) == llama_ref
-    prop = llm.engine.proposer
+    prop = llm.engine.worker.proposer
     assert isinstance(prop, DFlashProposer)
     assert prop.aux_layers() == (1, 3)                 # ids (0, 2) are layer outputs: capture id + 1
     assert prop.num_lookahead_tokens == 4
@@ -125,7 +125,7 @@ def test_layer_ids_beyond_target_fall_back_with_warning(tiny_llama, tmp_path, ca
     with caplog.at_level(logging.WARNING, logger="draftwise"):
         llm = _llm(path, {"method": "dflash", "model": ckpt})
     assert any("target_layer_ids" in r.getMessage() and r.levelno == logging.WARNING for r in caplog.records)
-    assert llm.engine.proposer.aux_layers() == (1, 2, 3)
+    assert llm.engine.worker.proposer.aux_layers() == (1, 2, 3)
     assert _gen(llm, PROMPTS[:2]) == _gen(_llm(path), PROMPTS[:2])
 
 
@@ -351,9 +351,9 @@ def test_accepted_rows_are_injected_as_context(tiny_llama, llama_ckpt, llama_ref
     the dense forward over the full history recomputed from scratch."""
     path, _ = tiny_llama
     llm = _llm(path, {"method": "dflash", "model": llama_ckpt})
-    prop = llm.engine.proposer
+    prop = llm.engine.worker.proposer
     seen = _exact_head_spy(prop)
-    target = llm.engine.model
+    target = llm.engine.worker.model
     full = {tuple(p): p + o for p, o in zip(PROMPTS, llama_ref)}
     real = prop.propose
     calls = {"n": 0, "checked": 0}

@@ -232,7 +232,7 @@ def test_a_gguf_draft_model_re_quantized_at_load_is_lossless(tmp_path):
         llm = LLM(target, block_size=4, max_model_len=128, speculative_config=spec)
         assert _ids(llm.generate(prompts, EXACT_STEPS)) == ref
         assert llm.engine.spec_config.quantization == "Q4_0"
-        lin = llm.engine.proposer.draft.layers[0].mlp.down_proj
+        lin = llm.engine.worker.proposer.draft.layers[0].mlp.down_proj
         assert lin.dequantize().shape == (128, 256)
         assert llm.get_metrics()["spec_decode"]["num_drafts"] > 0
     with pytest.raises(ValueError, match="must be one of Q4_0"):

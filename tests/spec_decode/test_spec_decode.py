@@ -110,8 +110,8 @@ def test_checkpoint_formats_load_and_run(tiny_llama, tmp_path):
                                      with_embedding=(fmt == "bin"))
         llm = LLM(path, block_size=4, max_model_len=128,
                   speculative_config={"method": "eagle3", "model": ck, "num_speculative_tokens": 2})
-        assert llm.engine.model.aux_hidden_state_layers == (1, 2, 3)
-        assert llm.engine.proposer.model.has_own_embedding == (fmt == "bin")
+        assert llm.engine.worker.model.aux_hidden_state_layers == (1, 2, 3)
+        assert llm.engine.worker.proposer.model.has_own_embedding == (fmt == "bin")
         assert _ids(llm.generate([{"prompt_token_ids": PROMPTS[0]}], GREEDY)) == ref
 
 

@@ -12,7 +12,7 @@ import torch
 
 import draftwise.spec_decode.tree as T
 from draftwise import LLM, SamplingParams
-from draftwise.engine.kv_cache import KVCache
+from draftwise.worker.kv_cache import KVCache
 from draftwise.layers.attention import CAUSAL, AttentionMetadata, slots_for_positions
 from draftwise.sample.sampler import SamplingMetadata
 from draftwise.spec_decode.tree import TokenTree, TreeDraft, compact_tree_kv, sample_tree_path, verify_trees

@@ -57,7 +57,7 @@ def test_draft_vocab_d2t_t2d():
 
 
 def test_ttt_unroll_matches_inference_recurrence(tiny_llama):
-    from draftwise.engine.kv_cache import KVCache
+    from draftwise.worker.kv_cache import KVCache
     from draftwise.layers.attention import AttentionMetadata
     from draftwise.models.loader import load_target_model
     from tests.helpers import TargetFeaturizer

@@ -30,7 +30,7 @@ def test_compiled_greedy_equals_eager(tiny_llama, tmp_path, monkeypatch):
     ref = _ids(eager.generate(prompts, GREEDY))
     llm = LLM(path, block_size=4, max_model_len=128, max_num_seqs=4, enforce_eager=False,
               compile_sizes=(1, 4))
-    graphs = llm.engine.runner.graphs
+    graphs = llm.engine.worker.runner.graphs
     assert [g.name for g in graphs] == ["target", "target lm_head"]
     assert all(g.warm for g in graphs)
     assert _ids(llm.generate(prompts, GREEDY)) == ref
@@ -54,7 +54,7 @@ def test_compiled_eagle3_tree_and_chain_are_lossless(tiny_llama, tmp_path, monke
                   "eagle_depth": 2}):
         llm = LLM(path, block_size=4, max_model_len=128, max_num_seqs=4, enforce_eager=False,
                   compile_sizes=(1, 4), speculative_config=spec)
-        graphs = llm.engine.runner.graphs
+        graphs = llm.engine.worker.runner.graphs
         assert [g.name for g in graphs] == ["target", "target lm_head", "eagle3 layer", "eagle3 lm_head"]
         assert _ids(llm.generate(prompts, GREEDY)) == ref
         assert all(g.fallbacks == 0 for g in graphs)
@@ -72,6 +72,6 @@ def test_compiled_quantized_target_equals_eager(tiny_llama, tmp_path, monkeypatc
                    quantization="int4").generate(prompts, GREEDY))
     llm = LLM(path, block_size=4, max_model_len=128, max_num_seqs=4, enforce_eager=False,
               compile_sizes=(1, 4), quantization="int4")
-    graphs = llm.engine.runner.graphs
+    graphs = llm.engine.worker.runner.graphs
     assert _ids(llm.generate(prompts, GREEDY)) == ref
     assert all(g.fallbacks == 0 for g in graphs) and all(g.calls > 0 for g in graphs)

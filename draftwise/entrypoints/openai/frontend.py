@@ -55,6 +55,6 @@ class ModelFrontend:
 
 def describe_engine(engine) -> dict:
     """The plain facts a front end needs about an engine (picklable: crosses process boundaries)."""
-    return {"model_path": engine.model_path, "max_model_len": engine.config.max_model_len,
-            "vocab_size": engine.model_cfg.vocab_size, "max_num_seqs": engine.config.max_num_seqs,
+    return {"model_path": engine.worker.model_path, "max_model_len": engine.config.max_model_len,
+            "vocab_size": engine.worker.model_cfg.vocab_size, "max_num_seqs": engine.config.max_num_seqs,
             "eos_token_ids": list(engine.eos_token_ids)}

@@ -17,38 +17,13 @@ import time
 from dataclasses import dataclass, field
 
 from draftwise.entrypoints.openai import protocol as P
+from draftwise.entrypoints.openai.errors import APIError
+from draftwise.sampling_params import (InvalidSamplingParams, SamplingLimits, SamplingParams,
+                                       StructuredOutputParams, validate)
 
 logger = logging.getLogger("draftwise.serve")
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16        # OpenAI's default for /v1/completions
-
-
-# ---------------------------------------------------------------------------------------------------
-# errors
-# ---------------------------------------------------------------------------------------------------
-class APIError(Exception):
-    """An error returned to the client in OpenAI's shape."""
-
-    def __init__(self, message: str, status: int = 400, param: str | None = None, code: str | None = None,
-                 type: str = "invalid_request_error"):
-        super().__init__(message)
-        self.message = message
-        self.status = status
-        self.param = param
-        self.code = code
-        self.type = type
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-    def to_dict(self) -> dict:
-        """Plain fields (crosses process boundaries; `from_dict` rebuilds it)."""
-        return {"message": self.message, "status": self.status, "param": self.param, "code": self.code,
-                "type": self.type}
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "APIError":
-        return cls(d["message"], d["status"], d.get("param"), d.get("code"), d.get("type", "invalid_request_error"))
 
 
 class ServerMetrics:
@@ -285,16 +260,15 @@ class EngineLoop:
                 pass
 
     def _add(self, sub: Submission) -> None:
-        from draftwise.sampling_params import SamplingParams
         try:
-            kw = dict(sub.sampling)
-            if kw.get("max_tokens") is None:
-                kw["max_tokens"] = sub.default_max_tokens
-            params = SamplingParams(**kw)
+            params = sampling_params(sub.sampling, sub.default_max_tokens)
             self.engine.add_request({"prompt_token_ids": sub.prompt_token_ids, "prompt": sub.prompt}, params,
                                     request_id=sub.request_id)
         except APIError as e:
             self._reject(sub, e)
+            return
+        except InvalidSamplingParams as e:
+            self._reject(sub, APIError(str(e), param=e.param, code=e.code))
             return
         except (ValueError, TypeError) as e:
             self._reject(sub, APIError(str(e)))
@@ -438,7 +412,6 @@ def _put_all(batch) -> None:
 # ---------------------------------------------------------------------------------------------------
 def sampling_kwargs(req: P.SamplingRequest, chat: bool) -> dict:
     """SamplingParams kwargs (max_tokens may be None: filled in against the prompt length)."""
-    from draftwise.sampling_params import SamplingParams
     max_tokens = req.max_tokens
     if chat and max_tokens is None:
         max_tokens = req.max_completion_tokens
@@ -450,7 +423,6 @@ def sampling_kwargs(req: P.SamplingRequest, chat: bool) -> dict:
           "logit_bias": {int(k): float(v) for k, v in req.logit_bias.items()} if req.logit_bias else None,
           "min_tokens": req.min_tokens, "bad_words": req.bad_words, "allowed_token_ids": req.allowed_token_ids,
           "logprobs": req.num_logprobs() if chat else req.logprobs}
-    from draftwise.structured_output import StructuredOutputParams
     spec = None
     try:
         spec = req.structured_output_spec()
@@ -458,11 +430,20 @@ def sampling_kwargs(req: P.SamplingRequest, chat: bool) -> dict:
             kw["structured_output"] = StructuredOutputParams(**spec[1])
     except ValueError as e:
         raise APIError(str(e), param=spec[0] if spec else "response_format", code="invalid_value") from None
-    try:                               # the engine thread validates again against the prompt
-        SamplingParams(**{**kw, "max_tokens": kw["max_tokens"] or 1})
-    except ValueError as e:
-        raise APIError(str(e), code="invalid_value") from None
+    sampling_params(kw, 1)             # the fields' own ranges now; the prompt's length once tokenized
     return kw
+
+
+def sampling_params(kw: dict, max_tokens: int, limits: SamplingLimits | None = None,
+                    prompt_len: int | None = None) -> SamplingParams:
+    """SamplingParams from a request's kwargs (`max_tokens` where the request gave none), checked by
+    `validate` against the model's limits; its InvalidSamplingParams becomes a 400 naming the field."""
+    try:
+        params = SamplingParams(**{**kw, "max_tokens": kw.get("max_tokens") or max_tokens})
+        validate(params, limits, prompt_len)
+    except InvalidSamplingParams as e:
+        raise APIError(str(e), param=e.param, code=e.code) from None
+    return params
 
 
 class PromptPreparer:
@@ -513,18 +494,9 @@ class PromptPreparer:
         vocab = fe.vocab_size
         if any(t < 0 or t >= vocab for t in ids):
             raise APIError(f"prompt token ids must be in [0, {vocab})", param=param, code="invalid_value")
-        for name in ("logit_bias", "allowed_token_ids"):
-            if any(t >= vocab for t in (sampling.get(name) or ())):
-                raise APIError(f"{name} has token ids outside the vocabulary [0, {vocab})", param=name,
-                               code="invalid_value")
         room = max_len - len(ids)
-        mt = sampling.get("max_tokens")
-        if mt is not None and len(ids) + mt > max_len:
-            raise APIError(f"This model's maximum context length is {max_len} tokens. However, you requested "
-                           f"{len(ids) + mt} tokens ({len(ids)} in the prompt, {mt} for the completion). "
-                           "Please reduce the prompt or max_tokens.", param="max_tokens",
-                           code="context_length_exceeded")
         default = room if default_max_tokens is None else min(default_max_tokens, room)
+        sampling_params(sampling, default, SamplingLimits(vocab, max_len), len(ids))
         return text, ids, default
 
 

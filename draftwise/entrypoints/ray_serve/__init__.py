@@ -3,7 +3,7 @@
 - `replica.EngineReplica`: one engine (its own model copy, KV cache, prefix cache and suffix tree)
   on its engine thread, streaming `RequestOutput`s; reports its load for routing and fails its
   health check when its engine thread is gone, so Ray Serve replaces it.
-- `router.DraftwiseRequestRouter`: Ray Serve's request-router API over `distributed.routing`
+- `router.DraftwiseRequestRouter`: Ray Serve's request-router API over `routing`
   (session and prefix affinity, held back by load).
 - `client.RayEngineClient`: the ingress side: the single-process server's HTTP app (protocol,
   auth, validation, SSE) talks to it exactly as to the local engine loop; it retries a request on

@@ -1,4 +1,4 @@
-"""Ray Serve request router for engine replicas: `distributed.routing.AffinityRouter` behind Ray
+"""Ray Serve request router for engine replicas: `routing.AffinityRouter` behind Ray
 Serve's request-router API.
 
 Ray Serve builds one router per deployment handle, in the process that calls the handle (the
@@ -13,7 +13,7 @@ from collections import OrderedDict
 
 from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
 
-from draftwise.distributed.routing import AffinityRouter, ReplicaLoad, RouteRequest, RoutingConfig
+from draftwise.entrypoints.ray_serve.routing import AffinityRouter, ReplicaLoad, RouteRequest, RoutingConfig
 from draftwise.entrypoints.ray_serve import client
 
 logger = logging.getLogger("draftwise.serve")

@@ -36,7 +36,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from draftwise.engine.errors import EngineFault
+from draftwise.step import EngineFault
 
 logger = logging.getLogger("draftwise")
 
@@ -58,7 +58,7 @@ def threads_per_rank(world: int) -> int:
 
 
 class LocalRanks:
-    """Ranks 1..N-1 as fresh Python processes on this machine (`python -m draftwise.distributed.worker`,
+    """Ranks 1..N-1 as fresh Python processes on this machine (`python -m draftwise.worker.tensor_parallel`,
     so nothing depends on how the engine process was started); their output goes to temp files."""
 
     def __init__(self, config, world: int, host: str, port: int):
@@ -66,7 +66,7 @@ class LocalRanks:
         with os.fdopen(fd, "wb") as f:
             pickle.dump(config, f)
         self.logs = [tempfile.TemporaryFile() for _ in range(1, world)]
-        self.procs = [subprocess.Popen([sys.executable, "-m", "draftwise.distributed.worker", self.config_path,
+        self.procs = [subprocess.Popen([sys.executable, "-m", "draftwise.worker.tensor_parallel", self.config_path,
                                         str(rank), str(world), str(port), host], stdout=log, stderr=log)
                       for rank, log in zip(range(1, world), self.logs)]
 
