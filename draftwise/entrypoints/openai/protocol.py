@@ -139,20 +139,6 @@ class SamplingRequest(OpenAIModel):
     bad_words: list[Annotated[Text, Field(min_length=1)]] | None = None
     allowed_token_ids: Annotated[list[Annotated[StrictInt, Field(ge=0)]], Field(min_length=1)] | None = None
 
-    @field_validator("logit_bias")
-    @classmethod
-    def _token_id_keys(cls, v):
-        if v and any(not k.isdigit() for k in v):
-            raise ValueError("logit_bias keys must be token ids (strings of digits)")
-        return v
-
-    @field_validator("stop")
-    @classmethod
-    def _stops_non_empty(cls, v):
-        if isinstance(v, list) and any(not s for s in v) or v == "":
-            raise ValueError("stop strings must not be empty")
-        return v
-
     def stop_list(self) -> list[str] | None:
         return [self.stop] if isinstance(self.stop, str) else self.stop
 

@@ -420,7 +420,9 @@ def sampling_kwargs(req: P.SamplingRequest, chat: bool) -> dict:
           "speculate": req.speculate, "spec_trace": req.wants_spec_trace(),
           "presence_penalty": float(req.presence_penalty), "frequency_penalty": float(req.frequency_penalty),
           "repetition_penalty": float(req.repetition_penalty), "min_p": float(req.min_p),
-          "logit_bias": {int(k): float(v) for k, v in req.logit_bias.items()} if req.logit_bias else None,
+          # JSON keys are strings: digits become token ids, anything else is left for validate to refuse
+          "logit_bias": {int(k) if k.isdigit() else k: float(v) for k, v in req.logit_bias.items()}
+          if req.logit_bias else None,
           "min_tokens": req.min_tokens, "bad_words": req.bad_words, "allowed_token_ids": req.allowed_token_ids,
           "logprobs": req.num_logprobs() if chat else req.logprobs}
     spec = None
