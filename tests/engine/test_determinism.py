@@ -1,13 +1,27 @@
 """The same greedy request gives the same tokens however it is scheduled: cold or after a prefix-cache
 hit, with prefix caching off, alone or in a batch, with its prompt cut into chunks of any size, and
-under speculation - on int4 weights (bf16 activations, where a last-bit difference becomes another
-token) on every kernel ISA path this machine has, PyTorch's included."""
+under speculation - in the default configuration of every weight format (int4 on a Hugging Face
+checkpoint; GGUF files of every block family on their own blocks), where a last-bit difference
+becomes another token, on every kernel ISA path this machine has, PyTorch's included."""
 import pytest
 
 from draftwise import LLM, SamplingParams
+from tests.models.gguf_builder import write_tiny_llama_gguf
+from tests.models.test_gguf_formats import MIXES
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-LENGTHS = (20, 45, 90, 300)          # prompt tokens: under, around and over every chunk size below
+LENGTHS = (20, 45, 90, 300, 800)     # prompt tokens: under, around and over every chunk size below
+
+
+@pytest.fixture(scope="module", params=["int4"] + sorted(MIXES))
+def weights(request, tiny_llama, tmp_path_factory):
+    """(model path, engine options): the int4 checkpoint, or a GGUF file of one mix of block types
+    (its default: the file's own blocks)."""
+    if request.param == "int4":
+        return tiny_llama[0], {"quantization": "int4"}
+    path = str(tmp_path_factory.mktemp("gguf") / f"tiny-{request.param}.gguf")
+    arch = "qwen2" if request.param == "qwen2" else "llama"
+    return write_tiny_llama_gguf(path, MIXES[request.param], seed=3, arch=arch, context_length=1024), {}
 
 
 def _prompts(n=len(LENGTHS)):
@@ -16,14 +30,15 @@ def _prompts(n=len(LENGTHS)):
             for k in (i % len(LENGTHS) for i in range(n))]
 
 
-def _run(path, prompts, **kw):
-    opts = dict(block_size=4, max_model_len=512, quantization="int4", speculative_config=None)
+def _run(weights, prompts, **kw):
+    path, opts = weights
+    opts = dict(block_size=4, max_model_len=1024, speculative_config=None, **opts)
     llm = LLM(path, **{**opts, **kw})
     return [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)], llm
 
 
-def test_greedy_tokens_do_not_depend_on_scheduling(tiny_llama, kernel_isa):
-    path, _ = tiny_llama
+def test_greedy_tokens_do_not_depend_on_scheduling(weights, kernel_isa):
+    path = weights
     prompts = _prompts()
     ref, _ = _run(path, prompts, enable_prefix_caching=False, max_num_batched_tokens=2048)
     cached, llm = _run(path, prompts, enable_prefix_caching=True, max_num_batched_tokens=2048)
@@ -41,11 +56,13 @@ def test_greedy_tokens_do_not_depend_on_scheduling(tiny_llama, kernel_isa):
 @pytest.mark.parametrize("spec", [{"method": "suffix", "num_speculative_tokens": 8},
                                   {"method": "ngram", "num_speculative_tokens": 4},
                                   {"method": "suffix", "num_speculative_tokens": 8, "draft_tree": True}])
-def test_greedy_speculation_equals_plain_decoding_in_a_batch_of_16(tiny_llama, kernel_isa, spec):
-    path, _ = tiny_llama
+def test_greedy_speculation_equals_plain_decoding_in_a_batch_of_16(weights, kernel_isa, spec):
+    path = weights
     prompts = _prompts(16)
     ref, _ = _run(path, prompts, max_num_seqs=16)
     out, llm = _run(path, prompts, max_num_seqs=16, speculative_config=spec)
     assert ref == [ref[i % len(LENGTHS)] for i in range(16)]
     assert sum(a == b for a, b in zip(out, ref)) == 16
     assert llm.get_metrics()["spec_decode"]["num_drafts"] > 0
+    alone, _ = _run(path, prompts[:len(LENGTHS)], max_num_seqs=1, speculative_config=spec)
+    assert alone == ref[:len(LENGTHS)], "speculation, one request at a time"

@@ -28,7 +28,8 @@ def block_bytes(kind: str, w: np.ndarray, rng) -> np.ndarray:
 
 
 def write_tiny_llama_gguf(path: str, types: dict[str, str], hidden=256, layers=2, heads=4, kv_heads=2,
-                          inter=512, vocab=512, seed=0, arch="llama", head_dim=None, sliding_window=8) -> str:
+                          inter=512, vocab=512, seed=0, arch="llama", head_dim=None, sliding_window=8,
+                          context_length=512) -> str:
     """`types`: GGUF base name (attn_q, attn_k, attn_v, attn_output, ffn_gate, ffn_up, ffn_down,
     token_embd, output) -> block type; missing ones F32. `arch`: llama, qwen2 (q/k/v biases) or
     gemma3 (q/k norms, pre- and post-norms, a sliding window of `sliding_window` keys on five
@@ -36,7 +37,7 @@ def write_tiny_llama_gguf(path: str, types: dict[str, str], hidden=256, layers=2
     rng = np.random.default_rng(seed)
     w = GGUFWriter(path, arch)
     w.add_block_count(layers)
-    w.add_context_length(512)
+    w.add_context_length(context_length)
     w.add_embedding_length(hidden)
     w.add_feed_forward_length(inter)
     w.add_head_count(heads)
