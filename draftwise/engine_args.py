@@ -16,6 +16,7 @@ from dataclasses import MISSING, dataclass, field, fields
 
 from draftwise.config import EngineConfig, SpeculativeConfig, parse_bytes
 from draftwise.models.loader import DEFAULT_MODEL
+from draftwise.models.loader import native_quantization
 
 # The default ("auto") is the configuration that measured fastest on the default model
 # (`draftwise bench`, MT-bench and the code-edits workload; docs/benchmarks.md): suffix decoding,
@@ -42,7 +43,6 @@ def resolve_quantization(model: str, quantization: str | None) -> str | None:
     if quantization is None or str(quantization).lower() in ("none", "fp32", "float32"):
         return None
     if str(quantization).lower() == "auto":
-        from draftwise.models.loader import native_quantization
         return native_quantization(model)
     return quantization
 

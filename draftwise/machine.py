@@ -10,6 +10,8 @@ import os
 
 import torch
 
+from draftwise.config import cache_dir
+
 
 def cpu_flags() -> set[str]:
     """The CPU flags of /proc/cpuinfo (empty where there is none)."""
@@ -47,7 +49,6 @@ def machine_key(*extra) -> str:
 
 def cached_measurement(filename: str, key: str, measure):
     """`measure()` once per key; results JSON-cached in the draftwise cache directory (`filename`)."""
-    from draftwise.config import cache_dir
     path = os.path.join(cache_dir(), filename)
     try:
         with open(path) as f:

@@ -158,3 +158,40 @@ def test_entrypoint_functions_read_alone():
     """The server is made of small handlers: none over ~80 lines (a closure holding routes,
     streaming and choice merging cannot be tested or read alone)."""
     assert _long_functions("entrypoints", 85) == []
+
+
+# The command line is the one place that imports draftwise's own modules inside functions: each
+# subcommand's modules load only when it runs, so `draftwise --help` answers without loading torch.
+LAZY_IMPORTS_ALLOWED = {"draftwise.entrypoints.cli"}
+
+
+def function_level_imports(path: str) -> list[int]:
+    """Line numbers of draftwise imports inside a function of the file at `path`."""
+    tree = ast.parse(open(path).read())
+    lines = set()
+    for fn in ast.walk(tree):
+        if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            for node in ast.walk(fn):
+                if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("draftwise"):
+                    lines.add(node.lineno)
+                elif isinstance(node, ast.Import) and any(a.name.startswith("draftwise") for a in node.names):
+                    lines.add(node.lineno)
+    return sorted(lines)
+
+
+def test_draftwise_imports_are_at_the_top_of_each_module():
+    hits = []
+    for dirpath, _, files in os.walk(ROOT):
+        for f in files:
+            if f.endswith(".py"):
+                path = os.path.join(dirpath, f)
+                mod = os.path.relpath(path, os.path.dirname(ROOT))[:-3].replace(os.sep, ".")
+                if mod not in LAZY_IMPORTS_ALLOWED:
+                    hits += [f"{mod}:{line}" for line in function_level_imports(path)]
+    assert hits == []
+
+
+def test_function_level_import_finder(tmp_path):
+    src = tmp_path / "m.py"
+    src.write_text("import os\nfrom draftwise import x\n\ndef f():\n    import json\n    from draftwise.a import b\n")
+    assert function_level_imports(str(src)) == [6]

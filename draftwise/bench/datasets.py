@@ -7,6 +7,7 @@ import json
 import os
 
 from draftwise.training.data import is_heldout, iter_jsonl, iter_sharegpt, to_messages
+from draftwise.bench.json_schemas import load_json_schema_prompts
 
 
 def load_question_jsonl(path: str) -> list[list[str]]:
@@ -86,7 +87,6 @@ def load_prompts(dataset: str, n: int | None) -> list[list[str]]:
     if dataset == "code-edits":
         return load_code_edits(n)
     if dataset == "json-schema":
-        from draftwise.bench.json_schemas import load_json_schema_prompts
         return load_json_schema_prompts(n)
     if dataset == "sharegpt":
         return load_sharegpt_heldout(n or 20)

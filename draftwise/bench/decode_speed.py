@@ -16,6 +16,8 @@ import time
 import torch
 
 from draftwise.models.loader import DEFAULT_MODEL
+from draftwise import LLM, SamplingParams
+from draftwise.models.loader import load_tokenizer, resolve_model_dir
 
 PROMPTS = ["Write a short poem about the sea.", "Explain how a CPU cache works.",
            "Give three tips for learning a language.", "What is the capital of Australia?",
@@ -40,7 +42,6 @@ VARIANTS = {
 
 class DraftwiseRunner:
     def __init__(self, model: str, batch: int, tokens: int, **kw):
-        from draftwise import LLM, SamplingParams
         t0 = time.perf_counter()
         self.llm = LLM(model, max_model_len=1024, max_num_seqs=batch, speculative_config=None, **kw)
         self.startup_s = time.perf_counter() - t0
@@ -59,7 +60,6 @@ class DraftwiseRunner:
 class HFRunner:
     def __init__(self, model: str, batch: int, tokens: int):
         from transformers import AutoModelForCausalLM
-        from draftwise.models.loader import load_tokenizer, resolve_model_dir
         path = resolve_model_dir(model)
         self.hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
         tok = load_tokenizer(path)

@@ -20,6 +20,9 @@ import time
 
 import torch
 
+from draftwise.layers.quant import Int4Linear, Int8Linear, quantize_int4_groupwise, quantize_int8_per_channel
+from draftwise.machine import isa_summary
+
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30
 
 
@@ -34,7 +37,6 @@ def _best(fn, repeats: int) -> float:
 
 
 def candidates(weights: list[torch.Tensor]) -> dict:
-    from draftwise.layers.quant import Int4Linear, Int8Linear, quantize_int4_groupwise, quantize_int8_per_channel
     wt = [w.t().contiguous() for w in weights]
     wb = [w.bfloat16() for w in weights]
     wh = [w.half() for w in weights]
@@ -94,7 +96,6 @@ def main(argv=None) -> dict:
             for m in rows:
                 xs = {k: torch.randn(m, k) for k in (576, 1536)}
                 table.setdefault(name, {})[m] = _best(lambda: fn(xs), a.repeats)
-    from draftwise.machine import isa_summary
     print(f"CPU capability: {torch.backends.cpu.get_cpu_capability()} ({isa_summary()}), "
           f"{torch.get_num_threads()} threads, torch {torch.__version__}; ms for SmolLM2's 120 layer linears")
     print("| kernel | " + " | ".join(f"{m} row{'s' if m > 1 else ''}" for m in rows) + " |")

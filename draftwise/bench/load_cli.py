@@ -8,6 +8,8 @@ import sys
 
 from draftwise.bench.load import __doc__ as load_doc
 from draftwise.bench.load import _is_loopback, format_results, run_load_test
+from draftwise.bench.datasets import load_prompts
+from draftwise.bench.soak import format_bad_inputs, format_soak, run_bad_inputs, run_soak
 
 
 def main(argv=None) -> None:
@@ -43,20 +45,17 @@ def main(argv=None) -> None:
         argv, serve_args = argv[:i], argv[i + 1:]
     a = ap.parse_args(argv)
     if a.soak:
-        from draftwise.bench.soak import format_soak, run_soak
         res = run_soak(serve_args, a.num_requests, a.concurrency, a.max_tokens, log_path=a.server_log)
         print(json.dumps(res, indent=2) if a.json else format_soak(res))
         return
     if a.bad_input:
         if not a.allow_remote and not _is_loopback(a.url):
             raise SystemExit(f"{a.url} is not a loopback address (pass --allow-remote)")
-        from draftwise.bench.soak import format_bad_inputs, run_bad_inputs
         res = run_bad_inputs(a.url, a.model)
         print(json.dumps(res, indent=2) if a.json else format_bad_inputs(res))
         return
     prompts = None
     if a.dataset:
-        from draftwise.bench.datasets import load_prompts
         prompts = load_prompts(a.dataset, None)
     res = run_load_test(a.url, a.num_requests, a.concurrency, a.max_tokens, prompts=prompts, model=a.model,
                         api_key=a.api_key, stream=not a.no_stream, chat=a.chat, temperature=a.temperature,

@@ -19,6 +19,8 @@ import json
 import os
 import time
 
+from draftwise.models.loader import resolve_model_dir
+
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -37,7 +39,6 @@ def main(argv=None) -> int:
         raise SystemExit(f"openvino_export needs optimum-intel with OpenVINO and NNCF ({e})") from None
     src = a.source
     if src is None:
-        from draftwise.models.loader import resolve_model_dir
         src = resolve_model_dir(a.model)
     t0 = time.perf_counter()
     bits = 4 if a.weights == "int4" else 8

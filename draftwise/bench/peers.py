@@ -19,6 +19,9 @@ from dataclasses import dataclass
 
 import torch
 
+from draftwise.inputs import conversation_prompt
+from draftwise.models.loader import gguf_path_for, load_tokenizer, resolve_model_dir
+
 
 @dataclass
 class PeerTiming:
@@ -31,7 +34,6 @@ class PeerTiming:
 class HFPeer:
     def __init__(self, model: str, max_tokens: int, prompt_lookup: bool):
         from transformers import AutoModelForCausalLM
-        from draftwise.models.loader import load_tokenizer, resolve_model_dir
         path = resolve_model_dir(model)
         self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
         self.tok = load_tokenizer(path)
@@ -132,7 +134,6 @@ class PeerProcess:
 
     def generate_batch(self, conversations) -> list[tuple[str, list[int], PeerTiming]]:
         """Answers to several conversations; a batching peer runs them together."""
-        from draftwise.inputs import conversation_prompt
         prompts = [{"messages": m, "text": conversation_prompt(None, m)} for m in conversations]
         res = self.request({"op": "generate", "prompts": prompts})["results"]
         return [(r["text"], r["ids"], PeerTiming(r["ttft_s"], r["total_s"], r["prompt_tokens"], r.get("num_tokens")))
@@ -157,7 +158,6 @@ class PeerProcess:
 def peer_model(name: str, model: str, openvino_model: str | None = None) -> str:
     """The file or directory a native peer reads: the model's GGUF file (llama.cpp; OpenVINO GenAI
     reads it too), or an OpenVINO export given by --openvino-model."""
-    from draftwise.models.loader import gguf_path_for
     if name.startswith("openvino") and openvino_model:
         return openvino_model
     path = gguf_path_for(model) or model

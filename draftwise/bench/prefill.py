@@ -16,10 +16,16 @@ import time
 
 import torch
 
+from draftwise import LLM, SamplingParams
+from draftwise.bench.peers import make_peer
+from draftwise.bench.run import peer_pythons
+from draftwise.bench.step_cost import machine_line
+from draftwise.models.loader import load_tokenizer, resolve_model_dir
+from draftwise.training.data import is_heldout, iter_sharegpt, to_messages
+
 
 def long_prompt(tokenizer, n_tokens: int) -> list[int]:
     """The first n_tokens tokens of held-out ShareGPT text (conversations joined)."""
-    from draftwise.training.data import is_heldout, iter_sharegpt, to_messages
     ids: list[int] = []
     for rec in iter_sharegpt():
         if not is_heldout(rec.get("id", "")):
@@ -32,7 +38,6 @@ def long_prompt(tokenizer, n_tokens: int) -> list[int]:
 
 
 def draftwise_ttft(model: str, ids: list[int], repeats: int) -> float:
-    from draftwise import LLM, SamplingParams
     llm = LLM(model, enable_prefix_caching=False, speculative_config=None, max_model_len=max(2048, len(ids) + 16))
     sp = SamplingParams(temperature=0, max_tokens=1)
     llm.generate([{"prompt_token_ids": ids[:32]}], sp)                 # warm-up
@@ -49,7 +54,6 @@ def draftwise_ttft(model: str, ids: list[int], repeats: int) -> float:
 def peer_ttft(name: str, model: str, ids: list[int], repeats: int, openvino_model: str | None = None,
               python: dict | None = None) -> float:
     """A native peer's best time to first token over `ids` (its own process: peers.PeerProcess)."""
-    from draftwise.bench.peers import make_peer
     peer = make_peer(name, model, 1, openvino_model, python)
     try:
         return peer.prefill(ids, repeats)
@@ -69,11 +73,8 @@ def main(argv=None) -> dict:
     a = p.parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)
-    from draftwise.bench.step_cost import machine_line
-    from draftwise.models.loader import load_tokenizer, resolve_model_dir
     ids = long_prompt(load_tokenizer(resolve_model_dir(a.model)), a.tokens)
     times = {"draftwise": draftwise_ttft(a.model, ids, a.repeats)}
-    from draftwise.bench.run import peer_pythons
     for peer in filter(None, a.peers.split(",")):
         if peer not in ("openvino", "llamacpp"):
             raise SystemExit(f"unknown peer {peer!r} (openvino, llamacpp)")

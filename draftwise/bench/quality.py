@@ -20,12 +20,18 @@ import time
 
 import torch
 
+from draftwise import LLM
+from draftwise.bench.quant_quality import chunked_logits
+from draftwise.config import cache_dir
+from draftwise.models.gguf_convert import gguf_metadata_dir
+from draftwise.models.loader import gguf_path_for, load_tokenizer
+from draftwise.training.data import is_heldout, iter_examples, iter_sharegpt, to_messages
+
 
 def heldout_token_ids(tokenizer, conversations: int, min_tokens: int, context: int) -> list[list[int]]:
     """Held-out ShareGPT conversations as token ids: through the chat template, or for a base
     model without one (Gemma 3 270M) as plain text, the turns one paragraph each, with the special
     tokens the tokenizer adds (its BOS)."""
-    from draftwise.training.data import is_heldout, iter_examples, iter_sharegpt, to_messages
     if getattr(tokenizer, "chat_template", None):
         seqs = (list(ex.input_ids) for ex in iter_examples(tokenizer, None, "heldout", context))
     else:
@@ -47,8 +53,6 @@ def nll_of(logits: torch.Tensor, ids: list[int]) -> float:
 
 
 def draftwise_nll(model: str, seqs: list[list[int]], chunk: int, context: int) -> tuple[float, float]:
-    from draftwise import LLM
-    from draftwise.bench.quant_quality import chunked_logits
     llm = LLM(model, speculative_config=None, max_model_len=context + 16)
     kv = llm.engine.config.kv_torch_dtype
     t0, nll = time.perf_counter(), 0.0
@@ -73,9 +77,6 @@ def llamacpp_nll(path: str, seqs: list[list[int]], context: int, threads: int | 
 
 def main(argv=None) -> dict:
     import importlib.util
-    from draftwise.models.loader import gguf_path_for, load_tokenizer
-    from draftwise.models.gguf_convert import gguf_metadata_dir
-    from draftwise.config import cache_dir
     p = argparse.ArgumentParser(prog="draftwise bench quality", description=__doc__.split("\n")[0])
     p.add_argument("--model", required=True, help="a GGUF file or a packaged model name")
     p.add_argument("--conversations", type=int, default=16)

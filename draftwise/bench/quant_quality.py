@@ -20,18 +20,21 @@ import math
 
 import torch
 
+from draftwise import LLM, SamplingParams
+from draftwise.bench.datasets import load_prompts
+from draftwise.layers.attention import AttentionMetadata, CAUSAL
+from draftwise.training.data import iter_examples
+from draftwise.worker.kv_cache import KVCache
+
 
 def heldout_examples(tokenizer, n: int, max_len: int):
     """(token ids, assistant mask) of the first n held-out ShareGPT conversations."""
-    from draftwise.training.data import iter_examples
     return [(ex.input_ids, ex.loss_mask) for _, ex in zip(range(n), iter_examples(tokenizer, None, "heldout", max_len))]
 
 
 @torch.inference_mode()
 def chunked_logits(model, ids: list[int], chunk: int, kv_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Logits of every row, the sequence fed `chunk` tokens at a time through a paged KV cache."""
-    from draftwise.worker.kv_cache import KVCache
-    from draftwise.layers.attention import CAUSAL, AttentionMetadata
     cfg, bs = model.config, 16
     nblocks = -(-len(ids) // bs)
     cache = KVCache(nblocks, bs, [(cfg.num_key_value_heads, cfg.head_dim)] * cfg.num_hidden_layers,
@@ -71,8 +74,6 @@ def agreement(ref: list[list[int]], got: list[list[int]]) -> dict:
 
 
 def main(argv=None) -> dict:
-    from draftwise import LLM, SamplingParams
-    from draftwise.bench.datasets import load_prompts
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="HuggingFaceTB/SmolLM2-135M-Instruct")
     p.add_argument("--modes", default="none,int8,int4")

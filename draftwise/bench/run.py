@@ -15,6 +15,13 @@ import torch
 
 from draftwise.inputs import conversation_prompt
 from draftwise.models.loader import DEFAULT_MODEL
+from draftwise import LLM, SamplingParams
+from draftwise.bench.datasets import load_prompts
+from draftwise.bench.peers import PeerCrashed, make_peer
+from draftwise.engine_args import resolve_quantization
+from draftwise.kernels import isa
+from draftwise.machine import isa_summary
+from draftwise.sampling_params import StructuredOutputParams
 
 PRESETS = {
     "ar": None,
@@ -157,7 +164,6 @@ def _chat_turns(llm_or_tok, convs, generate_fn, max_turns, batch_size, bar=None)
 
 
 def build_engine_llm(spec, args, max_num_seqs: int, quantization: str | None = None):
-    from draftwise import LLM, SamplingParams
     llm = LLM(args.model, max_model_len=args.max_model_len, max_num_seqs=max(1, max_num_seqs),
               speculative_config=spec, enforce_eager=args.enforce_eager,
               quantization=quantization)
@@ -173,12 +179,10 @@ def _constrained(sp, history):
     schema = getattr(history[-1]["content"], "schema", None)
     if schema is None:
         return sp
-    from draftwise.sampling_params import StructuredOutputParams
     return dataclasses.replace(sp, structured_output=StructuredOutputParams(json=schema))
 
 
 def run_engine_method(name, spec, args, convs, bar=None, llm=None, quantization=None) -> dict:
-    from draftwise import SamplingParams
     own = llm is None
     if own:
         llm = build_engine_llm(spec, args, args.batch_size, quantization)
@@ -211,7 +215,6 @@ def run_engine_method(name, spec, args, convs, bar=None, llm=None, quantization=
     dtoks = after["num_draft_tokens"] - before["num_draft_tokens"]
     per_pos = [a - (before["accepted_per_position"][i] if i < len(before["accepted_per_position"]) else 0)
                for i, a in enumerate(after["accepted_per_position"])]
-    from draftwise.engine_args import resolve_quantization
     res = {"method": name, "spec": spec, "quantization": resolve_quantization(args.model, quantization),
            "output_tokens": n_tokens, "time_s": gen_time,
            "tokens_per_s": n_tokens / gen_time if gen_time else 0.0,
@@ -270,7 +273,6 @@ def peer_pythons(args) -> dict:
 def run_peer_method(name, args, convs, bar=None, max_num_seqs: int = 1) -> dict:
     """A peer's row. A peer that cannot load, or whose process crashes, gives a row with its error
     (and no speed); the other rows of the run are unaffected."""
-    from draftwise.bench.peers import PeerCrashed, make_peer
     res = {"method": name, "spec": name, "output_tokens": 0, "time_s": 0.0, "tokens_per_s": 0.0,
            "mean_acceptance_length": None, "acceptance_per_position": [], "outputs": [[] for _ in convs],
            "ttft_mean_s": None, "decode_tokens_per_s": None}
@@ -312,7 +314,6 @@ def run_peer_method(name, args, convs, bar=None, max_num_seqs: int = 1) -> dict:
 
 def _setup_and_load(args) -> list:
     """Apply --threads and load the conversations (every --stride-th)."""
-    from draftwise.bench.datasets import load_prompts
     if args.threads:
         torch.set_num_threads(args.threads)
     return load_prompts(args.dataset, None)[::args.stride]
@@ -356,14 +357,12 @@ def run_bench(args) -> list[dict]:
 def machine_description() -> str:
     """CPU model, cores, the ISA the kernels care about (torch's capability and the AVX-512 / AMX
     flags), torch and threads: every figure is reported with it."""
-    from draftwise.machine import isa_summary
     model = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
             model = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), model)
     except OSError:
         pass
-    from draftwise.kernels import isa
     return (f"{model}, {os.cpu_count()} cores, ISA {torch.backends.cpu.get_cpu_capability()} "
             f"[{isa_summary() or 'no AVX2/AVX-512/AMX flags'}], draftwise kernels {isa()}, torch {torch.__version__}, "
             f"{torch.get_num_threads()} threads")

@@ -23,6 +23,8 @@ import subprocess
 import sys
 import time
 
+from draftwise.bench.load import format_results, run_load_test
+
 GOOD = {"prompt": "Write a haiku about the sea.", "max_tokens": 24, "temperature": 0, "ignore_eos": True}
 
 
@@ -127,7 +129,6 @@ def run_soak(serve_args: list[str], num_requests: int = 1000, concurrency: int =
     """Start `draftwise serve serve_args...` on a free loopback port and measure it (module doc)."""
     import httpx
 
-    from draftwise.bench.load import run_load_test
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     log = open(log_path or os.devnull, "w")
@@ -171,7 +172,6 @@ def run_soak(serve_args: list[str], num_requests: int = 1000, concurrency: int =
 
 
 def format_soak(r: dict) -> str:
-    from draftwise.bench.load import format_results
     b = r["bad_input"]
     return "\n".join([
         f"server: draftwise serve {' '.join(r['serve_args'])} (ready in {r['startup_s']:.1f} s)",

@@ -24,6 +24,12 @@ import time
 
 import torch
 
+from draftwise import LLM
+from draftwise.kernels import forced_isa, isa, row_argmax
+from draftwise.machine import isa_summary
+from draftwise.models.loader import DEFAULT_MODEL
+from draftwise.sample.rejection_sampler import greedy_rejection_sample
+
 FORMATS = {"fp32": dict(quantization=None, dtype="float32"), "bf16": dict(quantization=None, dtype="bfloat16"),
            "int8": dict(quantization="int8", dtype="float32"), "int4": dict(quantization="int4", dtype="float32"),
            # int4 on PyTorch's kernels (DRAFTWISE_ISA=none) / on draftwise's for this CPU
@@ -42,8 +48,6 @@ ATTENTION_OPS = ("scaled_dot_product", "aten::index_select", "aten::index_copy",
 
 
 def machine_line() -> str:
-    from draftwise.kernels import isa
-    from draftwise.machine import isa_summary
     model = ""
     try:
         with open("/proc/cpuinfo") as f:
@@ -85,8 +89,6 @@ def _split(runner, inputs, lm_head_rows: torch.Tensor) -> dict[str, float]:
 @torch.inference_mode()
 def measure_format(fmt: str, model: str, threads: list[int], rows: list[int], contexts: list[int],
                    compiled: bool, repeats: int, requests: list[int] = (1,), draft: dict | None = None) -> list[dict]:
-    from draftwise import LLM
-    from draftwise.kernels import forced_isa
     kw = dict(FORMATS[fmt])
     with forced_isa(kw.pop("isa", None)):
         llm = LLM(model, max_model_len=max(contexts) + max(rows) + 64, max_num_seqs=max(requests),
@@ -96,8 +98,6 @@ def measure_format(fmt: str, model: str, threads: list[int], rows: list[int], co
 
 def _measure(llm, fmt: str, threads: list[int], rows: list[int], contexts: list[int], repeats: int,
              requests: int = 1) -> list[dict]:
-    from draftwise.kernels import row_argmax
-    from draftwise.sample.rejection_sampler import greedy_rejection_sample
     runner = llm.engine.worker.runner
     out = []
     for th in threads:
@@ -212,7 +212,6 @@ def plot(rows: list[dict], path: str, title: str) -> None:
 
 
 def main(argv=None) -> list[dict]:
-    from draftwise.models.loader import DEFAULT_MODEL
     ap = argparse.ArgumentParser(prog="draftwise bench step-cost", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=DEFAULT_MODEL)
     ap.add_argument("--formats", default="fp32,bf16,int8,int4",

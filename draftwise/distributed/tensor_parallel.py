@@ -28,6 +28,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from draftwise.models.llama import Attention, MLP
+
 
 def check_divisibility(cfg, world: int) -> None:
     h, kv, inter, name = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size, "tensor_parallel_size"
@@ -106,7 +108,6 @@ class VocabParallelLMHead(nn.Module):
 
 def shard_target(model: nn.Module, rank: int, world: int, group=None) -> nn.Module:
     """Keep this rank's shard of every layer of a loaded Llama/Qwen3 target (in place)."""
-    from draftwise.models.llama import Attention, MLP
     cfg = model.config
     check_divisibility(cfg, world)
     H, Hkv, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim

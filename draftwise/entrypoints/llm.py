@@ -8,6 +8,7 @@ from draftwise.engine_args import EngineArgs
 from draftwise.models.loader import DEFAULT_MODEL
 from draftwise.outputs import RequestOutput
 from draftwise.sampling_params import SamplingParams
+from draftwise.inputs import apply_chat_template
 
 class LLM:
     """`LLM(model, **options)`: the options are EngineArgs' fields (engine_args.py), e.g.
@@ -83,7 +84,6 @@ class LLM:
                         return
 
     def apply_chat_template(self, messages) -> str:
-        from draftwise.inputs import apply_chat_template
         return apply_chat_template(self.engine.tokenizer, messages)
 
     def chat(self, messages, sampling_params=None, use_tqdm: bool = False) -> list[RequestOutput]:

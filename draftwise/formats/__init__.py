@@ -27,6 +27,8 @@ from typing import Callable
 import numpy as np
 import torch
 
+from draftwise.formats.dense import DENSE
+
 
 class UnsupportedFormat(ValueError):
     """A tensor's GGUF type has no reader here."""
@@ -123,7 +125,6 @@ def nibbles(qs: np.ndarray) -> np.ndarray:
 
 
 def supported_types() -> list[str]:
-    from draftwise.formats.dense import DENSE
     return sorted(FORMATS) + sorted(DENSE)
 
 

@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from draftwise.kernels import attend_rows_kernel
+
 CAUSAL, NONCAUSAL, TREE = "causal", "noncausal", "tree"
 
 
@@ -275,7 +277,6 @@ def _attend_rows(q, k_cache, v_cache, plan, scale: float, out: torch.Tensor) -> 
     keys, gathered once), the computation plain decoding at batch 1 does for that token. On CPUs
     with draftwise's kernels (fp32 caches, head_dim a multiple of 16) one C++ call does every row
     in a fixed order of operations; otherwise one SDPA call per row."""
-    from draftwise.kernels import attend_rows_kernel
     if attend_rows_kernel(q, k_cache, v_cache, plan, scale, out):
         return
     T, H, D = q.shape

@@ -26,6 +26,10 @@ from dataclasses import dataclass
 
 import torch
 
+from draftwise.kernels import attention_kernel_fits, load, row_plan_args
+from draftwise.layers.attention import attend_cached
+from draftwise.layers.quant import GroupAffineLinear, Int4Linear
+
 
 @dataclass
 class FusedLayerWeights:
@@ -43,8 +47,6 @@ class FusedLayerWeights:
 
 def kernel_linear(mod):
     """The kernel module's `Linear` for a quantized linear running on draftwise's kernels, else None."""
-    from draftwise.kernels import load
-    from draftwise.layers.quant import GroupAffineLinear, Int4Linear
     if not getattr(mod, "draftwise_kernel", False):
         return None
     bias = mod.bias if mod.bias is not None else torch.empty(0)
@@ -61,7 +63,6 @@ def kernel_linear(mod):
 def fusable(layer) -> FusedLayerWeights | None:
     """The kernel linears, norms and extra parts of `layer` (a Llama-family or Gemma 3 decoder layer)
     when all its linears run on draftwise's kernels; else None."""
-    from draftwise.kernels import load
     attn, mlp = layer.self_attn, layer.mlp
     if attn.head_dim % 2:
         return None
@@ -83,7 +84,6 @@ def fusable(layer) -> FusedLayerWeights | None:
 def enable_fused_layers(model) -> int:
     """Give every fusable decoder layer of a Llama-family model its FusedLayerWeights (all or none,
     so a step runs one path); returns the number of fused layers."""
-    from draftwise.kernels import load
     if load() is None:
         return 0
     weights = [fusable(layer) for layer in model.layers]
@@ -110,8 +110,6 @@ def fused_rope_rows(model, positions: torch.Tensor, x: torch.Tensor, meta):
 
 def fused_layer_forward(layer, x: torch.Tensor, rope_rows, meta, kv_cache) -> torch.Tensor:
     """One layer: attn_in -> attention over the cache -> attn_out_mlp."""
-    from draftwise.kernels import load
-    from draftwise.layers.attention import attend_cached
     mod, w, attn = load(), layer.fused, layer.self_attn
     T, D = x.shape[0], attn.head_dim
     cos, sin = rope_rows[2:] if w.window else rope_rows[:2]
@@ -132,7 +130,6 @@ def fused_stack_forward(model, x: torch.Tensor, rope_rows, meta, kv_cache, captu
     tree verification: meta.row_plan covers the step) - the per-layer path's calls in the same
     order, without ~40 us of Python per layer. Returns (x after the stack, {layer: x before it} for
     `capture`), or None where the step needs the per-layer path (DFlash blocks, tree drafting)."""
-    from draftwise.kernels import load, row_plan_args
     if meta.groups or not meta.row_plan:
         return None
     args = row_plan_args(meta.row_plan)
@@ -152,7 +149,6 @@ def fused_stack_forward(model, x: torch.Tensor, rope_rows, meta, kv_cache, captu
 def _stack(model, kv_cache):
     """The model's FusedStack over this KV cache (built once; rebuilt if the cache is replaced), or
     None where the attention kernel does not take this model's shapes."""
-    from draftwise.kernels import attention_kernel_fits, load
     layers = model.layers
     k0 = kv_cache.layer(layers[0].self_attn.layer_idx)[0]      # a drafter's layers sit past the target's
     key = (id(kv_cache), k0.data_ptr(), k0.dtype)

@@ -22,12 +22,16 @@ import torch
 from torch import nn
 
 from draftwise.layers.quant_formats import INT4_GROUP, quantize_int4_groupwise, quantize_int8_per_channel  # noqa: F401
+from draftwise.config import REQUANTIZE_TYPES
+from draftwise.formats import block_format, decode
+from draftwise.kernels import (affine_linear, amx, int4_linear, int8_linear, load, pack_affine, pack_int4, pack_int8,
+                               unpack_affine, unpack_int4, unpack_int8)
+from draftwise.layers.linear import TransposedLinear
 
 QUANTIZATION_MODES = ("int8", "int4")      # re-quantization; "gguf" models are built by the loader
 
 
 def _draftwise_kernels() -> bool:
-    from draftwise.kernels import load
     return load() is not None
 
 
@@ -70,7 +74,6 @@ class Int8Linear(_QuantizedLinear):
         fits = self.out_features % 16 == 0 and self.in_features % 32 == 0
         self.draftwise_kernel = fits and _draftwise_kernels()
         if self.draftwise_kernel:
-            from draftwise.kernels import amx, pack_int8
             self.use_amx = amx()
             self.register_buffer("kernel_q8", pack_int8(q.contiguous()))
             self.register_buffer("kernel_scale", scale.to(torch.bfloat16).float().contiguous())
@@ -81,13 +84,11 @@ class Int8Linear(_QuantizedLinear):
 
     def dequantize(self) -> torch.Tensor:
         if self.draftwise_kernel:
-            from draftwise.kernels import unpack_int8
             return unpack_int8(self.kernel_q8).float() * self.kernel_scale[:, None]
         return self.qweight.float() * self.scale.float()[:, None]
 
     def _kernel(self, x2):
         if self.draftwise_kernel:
-            from draftwise.kernels import int8_linear
             return int8_linear(x2, self.kernel_q8, self.kernel_scale, self.use_amx)
         return torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self.scale)
 
@@ -104,7 +105,6 @@ class Int4Linear(_QuantizedLinear):
         self.out_features, self.in_features, self.group = N, K, group
         self.draftwise_kernel = group == INT4_GROUP and N % 16 == 0 and _draftwise_kernels()
         if self.draftwise_kernel:
-            from draftwise.kernels import amx, pack_int4
             self.use_amx = amx()
             nib, sm = pack_int4(codes, scale, minimum)
             self.register_buffer("kernel_nibbles", nib)
@@ -123,7 +123,6 @@ class Int4Linear(_QuantizedLinear):
 
     def dequantize(self) -> torch.Tensor:
         if self.draftwise_kernel:
-            from draftwise.kernels import unpack_int4
             return unpack_int4(self.kernel_nibbles, self.kernel_sm)
         N, K, g = self.out_features, self.in_features, self.group
         q = torch.stack([self.nibbles & 15, self.nibbles >> 4], -1).reshape(N, K // g, g).float()
@@ -133,7 +132,6 @@ class Int4Linear(_QuantizedLinear):
 
     def _kernel(self, x2):
         if self.draftwise_kernel:
-            from draftwise.kernels import int4_linear
             return int4_linear(x2, self.kernel_nibbles, self.kernel_sm, self.use_amx)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed, self.group, self.scales_and_zeros)
 
@@ -157,7 +155,6 @@ def quantize_model(model: nn.Module, mode: str, source: dict | None = None,
       int8.
     - "int8": every linear per-channel int8.
     Returns {"exact": n, "quantized": n} counts."""
-    from draftwise.layers.linear import TransposedLinear
     if mode not in QUANTIZATION_MODES:
         raise ValueError(f"unknown quantization {mode!r}; choose one of {', '.join(QUANTIZATION_MODES)} or None")
     counts = {"exact": 0, "quantized": 0}
@@ -188,8 +185,6 @@ def requantize_linears(model: nn.Module, kind: str) -> int:
     the type's blocks stay as they are. Returns the number re-quantized."""
     from gguf import GGMLQuantizationType
     from gguf.quants import quantize
-    from draftwise.config import REQUANTIZE_TYPES
-    from draftwise.formats import block_format, decode
     if kind not in REQUANTIZE_TYPES:
         raise ValueError(f"cannot re-quantize to {kind!r}; choose one of {', '.join(REQUANTIZE_TYPES)}")
     block = block_format(kind).block_size
@@ -213,7 +208,6 @@ def exact_linear(parts, bias, name: str) -> nn.Module:
     (the weights exact, activations quantized per 32 inputs as llama.cpp does); on AMX machines
     Q4_1 / Q4_0 layer weights run on the int4 AMX-BF16 kernels instead (tile products ~8x the
     prefill throughput of VNNI there, bf16 activations)."""
-    from draftwise.kernels import amx
     q4 = as_q4_1(parts) if name != "lm_head" and _draftwise_kernels() and amx() else None
     if q4 is not None:
         return Int4Linear(*q4, INT4_GROUP, bias)
@@ -249,7 +243,6 @@ class GroupAffineLinear(_QuantizedLinear):
 
     def __init__(self, parts, bias: torch.Tensor | None = None):
         super().__init__()
-        from draftwise.kernels import pack_affine
         self.out_features = sum(p.codes.shape[0] for p in parts)
         self.in_features = parts[0].codes.shape[1]
         if any(p.codes.shape[0] % 16 for p in parts):
@@ -270,11 +263,9 @@ class GroupAffineLinear(_QuantizedLinear):
                 for i, (g, off) in enumerate(self.meta)]
 
     def dequantize(self) -> torch.Tensor:
-        from draftwise.kernels import unpack_affine
         return torch.cat([unpack_affine(*part) for part in self.packed_parts()], 0)
 
     def _kernel(self, x2):
-        from draftwise.kernels import affine_linear, unpack_affine
         if self.draftwise_kernel:
             ys = [affine_linear(x2, *part) for part in self.packed_parts()]
             return ys[0] if len(ys) == 1 else torch.cat(ys, 1)

@@ -26,6 +26,7 @@ from draftwise.config import ModelConfig
 from draftwise.layers.norm import RMSNorm
 from draftwise.layers.rotary import RotaryEmbedding
 from draftwise.models.llama import DecoderLayer, load_stacked_weights, require_all_loaded
+from draftwise.models.loader import iter_checkpoint_tensors, read_config_json
 
 logger = logging.getLogger("draftwise")
 
@@ -213,7 +214,6 @@ def _int(v, what: str, path: str) -> int:
 def load_dflash_checkpoint(path: str, target_cfg: ModelConfig, dtype: torch.dtype, device,
                            max_position: int):
     """Build a DFlash draft from a published-format directory. Returns (model, raw config)."""
-    from draftwise.models.loader import iter_checkpoint_tensors, read_config_json
 
     if not path or not os.path.isdir(path):
         raise ValueError(f"DFlash draft checkpoint {path!r} is not a directory")

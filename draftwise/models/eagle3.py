@@ -11,6 +11,7 @@ from draftwise.config import ModelConfig
 from draftwise.layers.norm import RMSNorm
 from draftwise.layers.rotary import RotaryEmbedding
 from draftwise.models.llama import MLP, Attention, load_stacked_weights, require_all_loaded
+from draftwise.models.loader import iter_checkpoint_tensors, read_config_json
 
 
 class Eagle3DecoderLayer(nn.Module):
@@ -87,7 +88,6 @@ def eagle3_class(architectures: list[str]):
 def load_eagle3_checkpoint(path: str, target_cfg: ModelConfig, target_embedding: nn.Embedding,
                            dtype: torch.dtype, device, max_position: int):
     """Build an Eagle3 draft model from a published-format directory. Returns (model, raw config)."""
-    from draftwise.models.loader import iter_checkpoint_tensors, read_config_json
 
     if not path or not os.path.isdir(path):
         raise ValueError(f"EAGLE-3 draft checkpoint {path!r} is not a directory")

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from draftwise.config import HF_ARCHITECTURES
+from draftwise.models.gguf_file import open_gguf
 
 logger = logging.getLogger("draftwise")
 
@@ -155,7 +156,6 @@ def _file_key(path: str) -> str:
 def gguf_metadata_dir(path: str, cache_root: str) -> str:
     """The cached directory of a GGUF's configuration (config.json) and tokenizer, read from its
     metadata alone (a few MB at most; the weights stay in the file). Returns the directory."""
-    from draftwise.models.gguf_file import open_gguf
     out = os.path.join(cache_root, "models", _file_key(path))
     if os.path.exists(os.path.join(out, "config.json")) and (
             os.path.exists(os.path.join(out, "META")) or os.path.exists(os.path.join(out, "DONE"))):
@@ -186,7 +186,6 @@ def convert_gguf(path: str, cache_root: str) -> str:
     """The GGUF dequantized to a cached Hugging Face directory (fp32 model.safetensors beside the
     metadata): what runs it unquantized (`quantization=None`) or re-quantized (int8 / int4).
     Running a GGUF on its own blocks needs none of it (loader.load_gguf_target)."""
-    from draftwise.models.gguf_file import open_gguf
     from safetensors.torch import save_file
     out = gguf_metadata_dir(path, cache_root)
     if os.path.exists(os.path.join(out, "DONE")):

@@ -13,6 +13,8 @@ import struct
 
 import numpy as np
 
+from draftwise.models.gguf_index import GGUFIndex
+
 GGUF_MAGIC = b"GGUF"
 _MIN_TENSOR_INFO = 8 + 1 + 4 + 4 + 8          # name length + 1 char, n_dims, one dim... type, offset
 _MIN_KV = 8 + 1 + 4 + 1                       # key length + 1 char, value type, 1-byte value
@@ -49,7 +51,6 @@ def open_gguf(path: str):
     mapped; the part of `gguf.GGUFReader`'s API draftwise reads), or GGUFError saying what is wrong
     with the file."""
     from gguf import GGMLQuantizationType, GGML_QUANT_SIZES
-    from draftwise.models.gguf_index import GGUFIndex
     check_header(path)
     try:
         reader = GGUFIndex(path)

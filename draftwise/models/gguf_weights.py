@@ -13,6 +13,8 @@ import torch
 
 from draftwise.formats import FORMATS, GroupAffine, ScaleFactors, decode
 from draftwise.models.gguf_convert import _BLOCK_MAP, gguf_config, unpermute_qk
+from draftwise.formats.dense import DENSE, read_dense
+from draftwise.models.gguf_file import open_gguf
 
 _FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
           "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
@@ -73,7 +75,6 @@ class GGUFBlocks:
     names are the checkpoint's (`model.layers.0.input_layernorm.weight`, ...)."""
 
     def __init__(self, path: str):
-        from draftwise.models.gguf_file import open_gguf
         self.path = path
         self.reader = open_gguf(path)
         self.cfg = gguf_config(self.reader)
@@ -159,7 +160,6 @@ class GGUFBlocks:
         """A tensor in plain numbers (or any type, dequantized by gguf) as fp32, in the model's
         [rows, cols] order (Llama Q/K rows and biases back in the model's RoPE order)."""
         from gguf.quants import dequantize
-        from draftwise.formats.dense import DENSE, read_dense
         t = self.by_name[gguf_name]
         shape = tuple(int(x) for x in reversed(t.shape))
         kind = t.tensor_type.name

@@ -12,6 +12,14 @@ import torch
 from draftwise.config import ModelConfig, cache_dir
 from draftwise.layers.rotary import RotaryEmbedding
 from draftwise.models.registry import target_class
+from draftwise.formats import FORMATS
+from draftwise.layers.fused_layer import enable_fused_layers
+from draftwise.layers.quant import GroupAffineEmbedding, exact_linear, requantize_linears
+from draftwise.models.gguf_convert import _NAME_MAP, block_map, convert_gguf, gguf_metadata_dir
+from draftwise.models.gguf_file import open_gguf
+from draftwise.models.gguf_weights import GGUFBlocks
+from draftwise.models.llama import load_stacked_weights
+from draftwise.models.packaged import PACKAGED, packaged_gguf, packaged_model
 
 logger = logging.getLogger("draftwise")
 
@@ -21,7 +29,6 @@ DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 def gguf_path_for(model: str) -> str | None:
     """The GGUF file a model name or path is read from, if any (a packaged model's is assembled
     into the cache on first use)."""
-    from draftwise.models.packaged import packaged_gguf, packaged_model
     if packaged_model(model) is not None:
         return packaged_gguf(model, cache_dir())
     if model.endswith(".gguf") and os.path.isfile(model):
@@ -36,11 +43,9 @@ def native_quantization(model: str) -> str | None:
     gguf = gguf_path_for(model)
     if gguf is None:
         return None
-    from draftwise.models.gguf_file import open_gguf
     reader = open_gguf(gguf)           # memory-mapped: only the tensor index is read here
     kinds = {t.tensor_type.name for t in reader.tensors
              if t.name.startswith("blk.") and t.name.endswith(".weight") and len(t.shape) == 2}
-    from draftwise.formats import FORMATS
     return "gguf" if kinds and kinds <= set(FORMATS) else None
 
 
@@ -48,15 +53,12 @@ def resolve_model_dir(model: str) -> str:
     """Return a local Hugging Face-style directory for `model` (converting a GGUF once)."""
     packaged = gguf_path_for(model) if not model.endswith(".gguf") else None
     if packaged is not None:
-        from draftwise.models.gguf_convert import convert_gguf
         return convert_gguf(packaged, cache_dir())
     if model.endswith(".gguf"):
         if not os.path.isfile(model):
             raise ValueError(f"model path {model!r} does not exist")
-        from draftwise.models.gguf_convert import convert_gguf
         return convert_gguf(model, cache_dir())
     if not os.path.isdir(model):
-        from draftwise.models.packaged import PACKAGED
         raise ValueError(f"model {model!r} is neither a directory, a .gguf file nor a packaged model "
                          f"({', '.join(PACKAGED)}); nothing is downloaded from a hub")
     if not os.path.exists(os.path.join(model, "config.json")):
@@ -130,10 +132,6 @@ def load_gguf_target(path: str, dtype: torch.dtype, device: str, max_position: i
     dense. No full-precision copy is made in memory or on disk; only config.json and the tokenizer
     are cached."""
     from torch import nn
-    from draftwise.layers.quant import GroupAffineEmbedding, exact_linear
-    from draftwise.models.gguf_convert import _NAME_MAP, block_map, gguf_metadata_dir
-    from draftwise.models.gguf_weights import GGUFBlocks
-    from draftwise.models.llama import load_stacked_weights
     meta_dir = gguf_metadata_dir(path, cache_dir())
     cfg = ModelConfig.from_hf_dict(read_config_json(meta_dir))
     blocks = GGUFBlocks(path)
@@ -239,10 +237,8 @@ def load_draft_model(name: str, target_cfg: ModelConfig, target_dir: str, dtype:
         raise ValueError(f"draft model {name!r} has another tokenizer than the target (the same vocabulary "
                          "size, different tokens): a draft model must share the target's tokenizer")
     if requantize is not None:
-        from draftwise.layers.quant import requantize_linears
         requantize_linears(model, requantize)
         quantization = "gguf"
     if quantization is not None and fused and hasattr(model, "layers"):
-        from draftwise.layers.fused_layer import enable_fused_layers
         enable_fused_layers(model)
     return model, cfg, quantization

@@ -22,6 +22,8 @@ import os
 
 import numpy as np
 
+from draftwise.config import cache_dir
+
 SEPARATOR = -1           # between answers: never matches a token
 U16_SEPARATOR = 0xFFFF   # the separator in a uint16 tokens.npy (vocabularies under 65,535 tokens)
 SORT_DEPTH = 32          # backward-key tokens the positions are sorted by (>= the match depths used)
@@ -85,7 +87,6 @@ class Datastore:
         # no index beside the tokens (a shipped datastore keeps the repository small): built once
         # and cached under the draftwise cache directory, keyed by the tokens' hash
         import hashlib
-        from draftwise.config import cache_dir
         key = hashlib.sha256(tokens.tobytes()).hexdigest()[:16]
         cached = os.path.join(cache_dir(), "datastore-index", f"{key}-{SORT_DEPTH}.npy")
         if os.path.exists(cached):

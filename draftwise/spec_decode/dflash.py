@@ -21,6 +21,7 @@ from draftwise.layers.attention import NONCAUSAL, AttentionMetadata, slots_for_p
 from draftwise.models.dflash import dflash_capture_layers
 from draftwise.spec_decode.draft import Draft
 from draftwise.spec_decode.proposer import Proposer, ProposerInput
+from draftwise.layers.quant import Int8Linear, quantize_int8_per_channel
 
 logger = logging.getLogger("draftwise")
 
@@ -62,7 +63,6 @@ class DFlashProposer(Proposer):
         w = getattr(self.target.lm_head, "weight", None)
         if w is None or w.device.type != "cpu":
             return None
-        from draftwise.layers.quant import Int8Linear, quantize_int8_per_channel
         q, scale = quantize_int8_per_channel(w.detach())
         return Int8Linear(q, scale)
 

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from draftwise.spec_decode.tree import tree_draft_from_parents
+
 
 @dataclass
 class Draft:
@@ -67,6 +69,5 @@ class Draft:
     def verification_tree(self, root_token: int):
         """The TreeDraft verification reads (ancestor mask, depths, paths), rooted at `root_token`."""
         if self.plan is None:
-            from draftwise.spec_decode.tree import tree_draft_from_parents
             self.plan = tree_draft_from_parents(root_token, self.token_ids, self.parents, self.probs)
         return self.plan

@@ -29,6 +29,7 @@ from draftwise.kernels import row_argmax
 from draftwise.layers.attention import CAUSAL, AttentionMetadata, slots_for_positions
 from draftwise.spec_decode.draft import Draft
 from draftwise.spec_decode.proposer import Proposer, ProposerInput
+from draftwise.spec_decode.tree import draft_trees
 
 
 @dataclass
@@ -155,7 +156,6 @@ class DraftModelProposer(Proposer):
         h = torch.stack([roots[i] for i in want])
         logits = self.logits_step(h)
         if self.topk > 1:
-            from draftwise.spec_decode.tree import draft_trees
             trees = draft_trees(self, logits, h, inp, sel, kv_cache, block_size, num_spec_tokens, entry_shift=1)
             for j, i in enumerate(want):
                 out[i] = Draft.from_tree(trees[j], self.method)

@@ -12,6 +12,8 @@ from draftwise.kernels import row_argmax
 from draftwise.layers.attention import CAUSAL, AttentionMetadata, slots_for_positions
 from draftwise.spec_decode.draft import Draft
 from draftwise.spec_decode.proposer import Proposer, ProposerInput
+from draftwise.models.eagle3 import eagle3_aux_layer_ids
+from draftwise.spec_decode.tree import draft_trees
 
 
 class EagleProposer(Proposer):
@@ -29,7 +31,6 @@ class EagleProposer(Proposer):
         self.k = num_speculative_tokens
         self.topk = eagle_topk
         self.depth = eagle_depth or num_speculative_tokens
-        from draftwise.models.eagle3 import eagle3_aux_layer_ids
         self._aux = eagle3_aux_layer_ids(raw_config) or target_model.get_eagle3_aux_hidden_state_layers()
         if len(self._aux) * target_model.config.hidden_size != draft_model.fc.in_features:
             raise ValueError(f"draft fc expects {draft_model.fc.in_features} input features, the target gives "
@@ -100,7 +101,6 @@ class EagleProposer(Proposer):
         h = prenorm[last[sel]]
         logits = self.logits_step(h)
         if self.topk > 1:
-            from draftwise.spec_decode.tree import draft_trees
             trees = draft_trees(self, logits, h, inp, sel, kv_cache, block_size, num_spec_tokens, d2t=self.model.d2t)
             for j, i in enumerate(want):
                 out[i] = Draft.from_tree(trees[j], self.method)

@@ -4,6 +4,16 @@ from __future__ import annotations
 import os
 
 from draftwise.config import EngineConfig, ModelConfig, SpeculativeConfig
+from draftwise.models.dflash import load_dflash_checkpoint
+from draftwise.models.eagle3 import load_eagle3_checkpoint
+from draftwise.models.loader import load_draft_model
+from draftwise.spec_decode.datastore import Datastore
+from draftwise.spec_decode.dflash import DFlashProposer
+from draftwise.spec_decode.draft_model import DraftModelProposer
+from draftwise.spec_decode.eagle import EagleProposer
+from draftwise.spec_decode.hybrid import HybridProposer
+from draftwise.spec_decode.ngram import NgramProposer
+from draftwise.spec_decode.suffix import SuffixProposer
 
 DRAFTERS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "drafters")
 
@@ -22,16 +32,13 @@ def build_proposer(spec: SpeculativeConfig, target_model, target_cfg: ModelConfi
     model = _model_proposer(spec, target_model, target_cfg, cfg, model_path)
     if spec.hybrid is None:
         return model
-    from draftwise.spec_decode.hybrid import HybridProposer
     fast_k = spec.suffix_decoding_max_tree_depth if spec.hybrid == "suffix" else spec.num_speculative_tokens
     return HybridProposer(model, _training_free(spec.hybrid, spec, fast_k, target_cfg), fast_k)
 
 
 def _training_free(method: str, spec: SpeculativeConfig, k: int, target_cfg: ModelConfig):
     if method == "ngram":
-        from draftwise.spec_decode.ngram import NgramProposer
         return NgramProposer(k, spec.prompt_lookup_min, spec.prompt_lookup_max)
-    from draftwise.spec_decode.suffix import SuffixProposer
     return SuffixProposer(k, spec.suffix_decoding_max_tree_depth, spec.suffix_decoding_max_cached_requests,
                           spec.suffix_decoding_max_spec_factor, spec.suffix_decoding_min_token_prob,
                           spec.draft_tree, suffix_datastore(spec, target_cfg))
@@ -40,7 +47,6 @@ def _training_free(method: str, spec: SpeculativeConfig, k: int, target_cfg: Mod
 def suffix_datastore(spec: SpeculativeConfig, target_cfg: ModelConfig):
     """The Datastore suffix decoding searches (None: none): the one shipped for this target when
     "auto", a directory when named. Resolved into spec.suffix_decoding_datastore (a path or None)."""
-    from draftwise.spec_decode.datastore import Datastore
     where = spec.suffix_decoding_datastore
     if where is None or where.lower() == "none":
         spec.suffix_decoding_datastore = None
@@ -94,16 +100,12 @@ def _model_proposer(spec: SpeculativeConfig, target_model, target_cfg: ModelConf
         raise ValueError(f"draft checkpoint {path!r} does not exist or is not a directory")
     max_pos = cfg.max_model_len + 512
     if spec.method == "eagle3":
-        from draftwise.models.eagle3 import load_eagle3_checkpoint
-        from draftwise.spec_decode.eagle import EagleProposer
         draft, raw = load_eagle3_checkpoint(path, target_cfg, target_model.embed_tokens, cfg.torch_dtype,
                                             cfg.device, max_pos)
         apply_drafter_preset(spec, raw, path)
         return EagleProposer(draft, raw, target_model, spec.num_speculative_tokens, spec.eagle_topk,
                              spec.eagle_depth)
     if spec.method == "dflash":
-        from draftwise.models.dflash import load_dflash_checkpoint
-        from draftwise.spec_decode.dflash import DFlashProposer
         draft, raw = load_dflash_checkpoint(path, target_cfg, cfg.torch_dtype, cfg.device, max_pos)
         block = draft.block_size
         if spec.num_speculative_tokens is None:
@@ -116,8 +118,6 @@ def _model_proposer(spec: SpeculativeConfig, target_model, target_cfg: ModelConf
 
 
 def _draft_model_proposer(spec: SpeculativeConfig, target_cfg: ModelConfig, cfg: EngineConfig, model_path: str):
-    from draftwise.models.loader import load_draft_model
-    from draftwise.spec_decode.draft_model import DraftModelProposer
     if cfg.tensor_parallel_size > 1:
         raise ValueError("method 'draft_model' runs on one process: tensor_parallel_size > 1 is not supported")
     draft, _, quantization = load_draft_model(spec.model, target_cfg, model_path, cfg.torch_dtype, cfg.device,

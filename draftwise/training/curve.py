@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import sys
 
+from draftwise.training.eagle3 import expected_acceptance_length
+
 
 def load_log(path: str) -> list[dict]:
     with open(path) as f:
@@ -15,7 +17,6 @@ def plot_curve(log_path: str, out_png: str, title: str = "") -> list[dict]:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from draftwise.training.eagle3 import expected_acceptance_length
     rows = load_log(log_path)
     ev = [r for r in rows if "heldout_acc" in r]
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))

@@ -24,6 +24,8 @@ import torch.nn.functional as F
 from draftwise.config import ModelConfig
 from draftwise.models.dflash import DFlashDraftModel, save_dflash_checkpoint, spread_target_layer_ids
 from draftwise.training.loop import SequenceResult, run_training
+from draftwise.models.loader import load_target_model, load_tokenizer
+from draftwise.training.shards import ShardStream, iter_shard_sequences
 
 logger = logging.getLogger("draftwise")
 
@@ -235,8 +237,6 @@ def evaluate(model, target, sequences, cfg: DFlashTrainConfig) -> dict:
 def train_dflash(cfg: DFlashTrainConfig, progress: bool = True) -> str:
     """Train (or resume) on data shards and export; returns the export directory."""
     from tqdm import tqdm
-    from draftwise.models.loader import load_target_model, load_tokenizer
-    from draftwise.training.shards import ShardStream, iter_shard_sequences
 
     if cfg.threads:
         torch.set_num_threads(cfg.threads)

@@ -17,6 +17,12 @@ import torch
 from draftwise.config import ModelConfig
 from draftwise.models.eagle3 import Eagle3LlamaForCausalLM, save_eagle3_checkpoint
 from draftwise.training.loop import SequenceResult, run_training
+from draftwise.machine import cpu_flags
+from draftwise.models.eagle3 import load_eagle3_checkpoint
+from draftwise.models.loader import load_target_model, load_tokenizer
+from draftwise.training.data import iter_sharegpt, to_messages
+from draftwise.training.shards import ShardStream, iter_shard_sequences
+from draftwise.training.vocab import build_draft_vocab, count_tokens
 
 
 @dataclass
@@ -267,8 +273,6 @@ def sharegpt_reply_counts(target_path: str, conversations: int):
     """Token counts over the assistant replies of the first ShareGPT conversations (None when the
     target has no tokenizer or ShareGPT is not installed)."""
     from collections import Counter
-    from draftwise.models.loader import load_tokenizer
-    from draftwise.training.data import iter_sharegpt, to_messages
     tok = load_tokenizer(target_path)
     if tok is None:
         return None
@@ -288,7 +292,6 @@ def _autocast_dtype(setting: str):
     if setting not in ("auto", "bf16", "none"):
         raise ValueError(f"autocast must be auto, bf16 or none, got {setting!r}")
     if setting == "auto":
-        from draftwise.machine import cpu_flags
         flags = cpu_flags()
         return torch.bfloat16 if ("avx512_bf16" in flags or "amx_bf16" in flags) else None
     return torch.bfloat16 if setting == "bf16" else None
@@ -297,9 +300,6 @@ def _autocast_dtype(setting: str):
 def train_eagle3(cfg: TrainConfig, progress: bool = True) -> str:
     """Train (or resume) on data shards and export; returns the export directory."""
     from tqdm import tqdm
-    from draftwise.models.loader import load_target_model
-    from draftwise.training.shards import ShardStream, iter_shard_sequences
-    from draftwise.training.vocab import build_draft_vocab, count_tokens
 
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
@@ -316,7 +316,6 @@ def train_eagle3(cfg: TrainConfig, progress: bool = True) -> str:
         d2t, t2d = state["d2t"], state["t2d"]
         coverage = state.get("coverage", 0.0)
     elif cfg.init_from:
-        from draftwise.models.eagle3 import load_eagle3_checkpoint
         init, init_raw = load_eagle3_checkpoint(cfg.init_from, tcfg, target.embed_tokens, torch.float32, "cpu",
                                                 cfg.max_len + cfg.ttt_steps + 64)
         d2t, t2d = init.d2t.clone(), init.t2d.clone()

@@ -27,6 +27,9 @@ from dataclasses import asdict, dataclass
 import torch
 
 from draftwise.training.shards import ShardSequence, completed_prompts, shard_paths, write_shard
+from draftwise import LLM, SamplingParams
+from draftwise.models.dflash import spread_target_layer_ids
+from draftwise.training.data import is_heldout, iter_jsonl, iter_sharegpt, render, to_messages
 
 logger = logging.getLogger("draftwise")
 
@@ -61,7 +64,6 @@ class GenDataConfig:
 def default_capture_layers(num_layers: int) -> tuple[int, ...]:
     """Residual-entering layers read by the EAGLE-3 trainer (2, N//2, N-3) and by DFlash drafters
     with 2, 3 or 5 evenly spaced taps (layer-output id + 1, DFlash's default spacing)."""
-    from draftwise.models.dflash import spread_target_layer_ids
     eagle = {min(2, num_layers - 1), num_layers // 2, max(num_layers - 3, 0)}
     dflash = set()
     for n in (2, 3, 5):
@@ -75,7 +77,6 @@ def load_gen_prompts(tokenizer, data: str | None, split: str, with_reply: bool =
     (default) honours the held-out split;
     a .jsonl file gives one prompt per line ({"prompt"}, Spec-Bench {"turns": [...]} or
     {"conversations"/"messages": [...]})."""
-    from draftwise.training.data import is_heldout, iter_jsonl, iter_sharegpt, to_messages
     convs: list[list[dict]] = []
     if data is not None and data.endswith(".jsonl"):
         for _, rec in iter_jsonl(data):
@@ -142,8 +143,6 @@ class HiddenStateRecorder:
 def generate_data(cfg: GenDataConfig, progress: bool = True) -> dict:
     """Generate (or resume) shards in cfg.out; returns a summary."""
     from tqdm import tqdm
-    from draftwise import LLM, SamplingParams
-    from draftwise.training.data import render
 
     if cfg.split not in ("train", "heldout"):
         raise ValueError(f"split must be 'train' or 'heldout', got {cfg.split!r}")

@@ -18,6 +18,10 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from draftwise import LLM, SamplingParams
+from draftwise.spec_decode.datastore import pack_answers
+from draftwise.training.gen_data import load_gen_prompts
+
 logger = logging.getLogger("draftwise")
 
 
@@ -35,9 +39,6 @@ class GenDatastoreConfig:
 
 
 def generate_datastore(cfg: GenDatastoreConfig, progress: bool = True) -> dict:
-    from draftwise import LLM, SamplingParams
-    from draftwise.spec_decode.datastore import pack_answers
-    from draftwise.training.gen_data import load_gen_prompts
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     os.makedirs(cfg.out, exist_ok=True)

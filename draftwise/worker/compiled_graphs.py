@@ -31,6 +31,7 @@ import time
 import torch
 
 from draftwise.layers.attention import CAUSAL, AttentionMetadata, forward_context, slots_for_positions
+from draftwise.config import cache_dir
 
 logger = logging.getLogger("draftwise")
 
@@ -40,7 +41,6 @@ DYNAMIC_PAD = 16
 
 def configure_compile_cache() -> str:
     """Point Inductor's on-disk caches at the draftwise cache directory (before first compile)."""
-    from draftwise.config import cache_dir
     d = os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(cache_dir(), "inductor"))
     import torch._dynamo.config as dcfg
     import torch._inductor.config as icfg

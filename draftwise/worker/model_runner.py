@@ -18,6 +18,11 @@ from draftwise.spec_decode.metadata import SpecDecodeMetadata
 from draftwise.spec_decode.proposer import Proposer, ProposerInput
 from draftwise.step import ModelRunnerOutput, SchedulerOutput
 from draftwise.worker.kv_cache import KVCache
+from draftwise.outputs import TokenLogprob
+from draftwise.sample.logits_processors import apply_logits_processors
+from draftwise.spec_decode.tree import compact_tree_kv, verify_trees
+from draftwise.structured_output import apply_grammar_masks
+from draftwise.worker.compiled_graphs import DEFAULT_STATIC_SIZES, compile_graph, configure_compile_cache
 
 logger = logging.getLogger("draftwise")
 
@@ -81,7 +86,6 @@ class ModelRunner:
     def _compile_graphs(self) -> None:
         """Compile the target's layer stack and LM head, and the drafter's passes, for every
         token bucket before serving (the warmup). Disk-cached across restarts."""
-        from draftwise.worker.compiled_graphs import DEFAULT_STATIC_SIZES, compile_graph, configure_compile_cache
         configure_compile_cache()
         t0 = time.perf_counter()
         dev, dt = self.device, self.config.torch_dtype
@@ -134,7 +138,6 @@ class ModelRunner:
         """(input_ids, positions, attention metadata, logits rows) of `num_requests` requests each
         feeding `n` tokens after `context` cached ones, in scratch KV blocks (requests share the
         blocks: only the shapes matter); None if the pool is too small."""
-        from draftwise.layers.attention import CAUSAL, AttentionMetadata
         total = context + n
         need = -(-total // self.block_size)
         if need > self.kv_cache.num_blocks:
@@ -222,7 +225,6 @@ class ModelRunner:
     def keep_accepted_paths(self, inp: "StepInputs", accepted_rows: list[list[int]]) -> None:
         """After tree verification: move each request's accepted nodes' target-layer K/V right
         behind its root, so the cache holds exactly the accepted path (every rank alike)."""
-        from draftwise.spec_decode.tree import compact_tree_kv
         compact_tree_kv(self.kv_cache, inp.sched.scheduled, accepted_rows, inp.block_tables, self.block_size,
                         self.model_cfg.num_hidden_layers)
 
@@ -239,14 +241,11 @@ class ModelRunner:
         if self.hidden_recorder is not None:
             self.hidden_recorder.record(scheds, cache_pos, output)
         if any(s.request.needs_logits_processing for s in scheds):
-            from draftwise.sample.logits_processors import apply_logits_processors
             apply_logits_processors(output.logits, scheds)
         if any(s.request.grammar is not None for s in scheds):
-            from draftwise.structured_output import apply_grammar_masks
             apply_grammar_masks(output.logits, scheds, self.model_cfg.vocab_size)
         accepted_rows: list[list[int]] = []
         if any_tree:
-            from draftwise.spec_decode.tree import verify_trees
             new_tokens, accepted_rows = verify_trees(output.logits, scheds, sampling, self.device)
             self.keep_accepted_paths(inp, accepted_rows)
         else:
@@ -280,7 +279,6 @@ class ModelRunner:
         emitted token, plus the top `params.logprobs` alternatives, for requests that ask for them.
         Token i of a step is scored by the verification row that predicted it: row i of a chain, the
         row of its parent node in a tree - the same distribution plain decoding computes."""
-        from draftwise.outputs import TokenLogprob
         out: list = [None] * len(scheds)
         want = [i for i, s in enumerate(scheds) if s.request.params.logprobs is not None and new_tokens[i]]
         if not want:

@@ -37,6 +37,10 @@ import torch
 import torch.distributed as dist
 
 from draftwise.step import EngineFault
+from draftwise.distributed.ray_utils import connect, node_ip
+from draftwise.distributed.tensor_parallel import shard_target
+from draftwise.models.loader import load_target_model
+from draftwise.worker.model_runner import ModelRunner
 
 logger = logging.getLogger("draftwise")
 
@@ -158,7 +162,6 @@ class TPRankActor:
     """One worker rank as a Ray actor (wrapped with ray.remote by RayRanks)."""
 
     def node_ip(self) -> str:
-        from draftwise.distributed.ray_utils import node_ip
         return node_ip()
 
     def pid(self) -> int:
@@ -178,7 +181,6 @@ class TPDriver:
         self.broken: str | None = None
         self.closed = False
         if config.distributed_executor_backend == "ray":
-            from draftwise.distributed.ray_utils import connect, node_ip
             connect()
             host = node_ip()               # workers on other nodes meet at rank 0's address
         else:
@@ -289,9 +291,6 @@ def worker_main(config, rank: int, world: int, port: int, host: str = "127.0.0.1
     """A worker rank: load and shard the target, then execute broadcast commands until shutdown."""
     torch.set_num_threads(threads_per_rank(world))
     torch.set_grad_enabled(False)
-    from draftwise.distributed.tensor_parallel import shard_target
-    from draftwise.models.loader import load_target_model
-    from draftwise.worker.model_runner import ModelRunner
     model, cfg, _ = load_target_model(config.model, config.torch_dtype, config.device,
                                       max_position=config.max_model_len + 256)
     store = dist.TCPStore(host, port, world, False, timeout=TIMEOUT)

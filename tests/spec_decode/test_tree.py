@@ -10,7 +10,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+import draftwise.spec_decode.eagle as E
 import draftwise.spec_decode.tree as T
+import draftwise.worker.model_runner as MR
 from draftwise import LLM, SamplingParams
 from draftwise.worker.kv_cache import KVCache
 from draftwise.layers.attention import CAUSAL, AttentionMetadata, slots_for_positions
@@ -251,7 +253,7 @@ def test_tree_drafting_matches_chain_recurrence(tiny_llama, tree_head, monkeypat
         calls.append((proposer, logits.clone(), h.clone(), inp, sel.clone(), kv_cache, block_size, trees))
         return trees
 
-    monkeypatch.setattr(T, "draft_trees", spy)
+    monkeypatch.setattr(E, "draft_trees", spy)
     eng = llm.engine
     for p in PROMPTS[:4]:
         eng.add_request({"prompt_token_ids": p}, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
@@ -318,8 +320,8 @@ def test_tree_oracle_acceptance_and_draft_state(tiny_llama, tree_head, monkeypat
         moved.extend(r for r in rows if r and r != list(range(r[0], r[0] + len(r))))
         return orig_compact(kv, scheds, rows, *a)
 
-    monkeypatch.setattr(T, "draft_trees", oracle)
-    monkeypatch.setattr(T, "compact_tree_kv", spy_compact)
+    monkeypatch.setattr(E, "draft_trees", oracle)
+    monkeypatch.setattr(MR, "compact_tree_kv", spy_compact)
     llm = _tree_llm(path, tree_head)
     assert _ids(llm.generate(prompts, sps)) == ref
     sd = llm.get_metrics()["spec_decode"]
@@ -327,7 +329,7 @@ def test_tree_oracle_acceptance_and_draft_state(tiny_llama, tree_head, monkeypat
     assert sd["accepted_per_position"][2] > 0
     assert len(moved) >= 3
     # drafter state after (tree) acceptance == fresh prefill of the same prefix
-    monkeypatch.setattr(T, "draft_trees", orig_draft)
+    monkeypatch.setattr(E, "draft_trees", orig_draft)
     got = {}
 
     def spy(proposer, logits, h, inp, sel, kv_cache, block_size, k, **kw):
@@ -335,7 +337,7 @@ def test_tree_oracle_acceptance_and_draft_state(tiny_llama, tree_head, monkeypat
             got[tuple(inp.requests[i].prompt_token_ids)] = h[j].clone()
         return orig_draft(proposer, logits, h, inp, sel, kv_cache, block_size, k, **kw)
 
-    monkeypatch.setattr(T, "draft_trees", spy)
+    monkeypatch.setattr(E, "draft_trees", spy)
     later = [(p, hh) for p, hh, n_out in states if n_out >= 3][::3][:12]
     fresh = _tree_llm(path, tree_head)
     eng = fresh.engine

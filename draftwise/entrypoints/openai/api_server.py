@@ -29,6 +29,9 @@ from draftwise.entrypoints.openai.gate import Gate
 from draftwise.entrypoints.openai.playground import add_playground_routes
 from draftwise.entrypoints.openai.routes import ServerState, add_routes, default_max_request_bytes
 from draftwise.entrypoints.openai.serving import EngineLoop, PromptPreparer, ServerMetrics, release_free_memory
+from draftwise.engine_args import EngineArgs
+from draftwise.entrypoints.llm import LLM
+from draftwise.entrypoints.ray_serve.options import add_ray_args
 
 logger = logging.getLogger("draftwise.serve")
 
@@ -82,7 +85,6 @@ def build_app(llm, served_model_name: str, api_key: str | None = None, max_reque
 # ---------------------------------------------------------------------------------------------------
 def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The engine's flags (EngineArgs) and the server's own."""
-    from draftwise.engine_args import EngineArgs
     EngineArgs.add_cli_args(parser)
     g = parser.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="bind address (default: 127.0.0.1)")
@@ -102,7 +104,6 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--no-playground", dest="playground", action="store_false",
                    help="do not serve the browser playground at /")
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    from draftwise.entrypoints.ray_serve.options import add_ray_args
     add_ray_args(parser)
     return parser
 
@@ -134,8 +135,6 @@ def run_server(args, llm=None) -> None:
     configure_logging(args)
     api_key = api_key_of(args)
     if llm is None:
-        from draftwise.engine_args import EngineArgs
-        from draftwise.entrypoints.llm import LLM
         llm = LLM.from_engine_args(EngineArgs.from_cli_args(args))
     name = args.served_model_name or args.model
     queued = None if args.max_num_queued_requests is not None and args.max_num_queued_requests < 0 \

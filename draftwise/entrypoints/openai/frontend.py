@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from draftwise.inputs import apply_chat_template, tokenize_prompt
+from draftwise.models.loader import load_tokenizer
+from draftwise.structured_output import GrammarCompiler
 
 
 @dataclass
@@ -31,7 +33,6 @@ class ModelFrontend:
 
     @classmethod
     def from_description(cls, info: dict) -> "ModelFrontend":
-        from draftwise.models.loader import load_tokenizer
         return cls(load_tokenizer(info["model_path"]), info["max_model_len"], info["vocab_size"],
                    info["max_num_seqs"], tuple(info["eos_token_ids"]))
 
@@ -48,7 +49,6 @@ class ModelFrontend:
                 if self._compile is None:
                     if self.tokenizer is None:
                         raise ValueError("structured outputs need the model's tokenizer")
-                    from draftwise.structured_output import GrammarCompiler
                     self._compile = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids).compile
         return self._compile(spec)
 

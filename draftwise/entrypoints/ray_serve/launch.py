@@ -15,6 +15,14 @@ import logging
 import signal
 import threading
 
+from draftwise.distributed.ray_utils import connect
+from draftwise.engine_args import EngineArgs
+from draftwise.entrypoints.openai.api_server import build_app
+from draftwise.entrypoints.openai.frontend import ModelFrontend
+from draftwise.entrypoints.ray_serve.client import RayEngineClient
+from draftwise.entrypoints.ray_serve.replica import EngineReplica
+from draftwise.entrypoints.ray_serve.router import DraftwiseRequestRouter
+
 logger = logging.getLogger("draftwise.serve")
 
 ENGINE_APP, ENGINE_DEPLOYMENT, INGRESS_APP = "draftwise-engines", "EngineReplica", "draftwise"
@@ -24,8 +32,6 @@ def engine_deployment(engine_options: dict, args):
     """The engine replicas' Ray Serve deployment (bound, ready for serve.run)."""
     from ray import serve
     from ray.serve.config import RequestRouterConfig
-    from draftwise.entrypoints.ray_serve.replica import EngineReplica
-    from draftwise.entrypoints.ray_serve.router import DraftwiseRequestRouter
     cpus = args.replica_cpus if args.replica_cpus is not None else float(engine_options.get("threads") or 1)
     queued = None if args.max_num_queued_requests is not None and args.max_num_queued_requests < 0 \
         else args.max_num_queued_requests
@@ -52,9 +58,6 @@ def ingress_deployment(info: dict, args, api_key: str | None):
             self.info = info
 
         def __serve_build_asgi_app__(self):
-            from draftwise.entrypoints.openai.api_server import build_app
-            from draftwise.entrypoints.openai.frontend import ModelFrontend
-            from draftwise.entrypoints.ray_serve.client import RayEngineClient
             handle = serve.get_deployment_handle(ENGINE_DEPLOYMENT, app_name=ENGINE_APP)
             return build_app(None, args.served_model_name or args.model, api_key=api_key,
                              max_request_bytes=args.max_request_bytes, playground=args.playground,
@@ -68,14 +71,12 @@ def ingress_deployment(info: dict, args, api_key: str | None):
 
 
 def engine_options_of(args) -> dict:
-    from draftwise.engine_args import EngineArgs
     return dataclasses.asdict(EngineArgs.from_cli_args(args))
 
 
 def start(args, api_key: str | None) -> dict:
     """Deploy both applications (connecting to / starting Ray first); -> the replicas' description."""
     from ray import serve
-    from draftwise.distributed.ray_utils import connect
     connect(args.ray_address)
     serve.start(proxy_location="HeadOnly", http_options={"host": args.host, "port": args.port})
     serve.run(engine_deployment(engine_options_of(args), args), name=ENGINE_APP, route_prefix=None)
@@ -97,7 +98,6 @@ def stop() -> None:
 def run(args, api_key: str | None) -> None:
     """Serve until SIGTERM / SIGINT."""
     import ray
-    from draftwise.distributed.ray_utils import connect
     connect(args.ray_address)              # ray.init installs its own signal handlers: ours go after
     done = threading.Event()               # a signal during start-up stops right after it
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -5,6 +5,12 @@ import asyncio
 import logging
 import os
 
+from draftwise.distributed.ray_utils import node_ip
+from draftwise.engine_args import EngineArgs
+from draftwise.entrypoints.llm import LLM
+from draftwise.entrypoints.openai.frontend import describe_engine
+from draftwise.entrypoints.openai.serving import APIError, EngineLoop, Submission
+
 logger = logging.getLogger("draftwise.serve")
 
 class EngineReplica:
@@ -15,9 +21,6 @@ class EngineReplica:
 
     def __init__(self, engine_options: dict, max_num_queued_requests: int | None = 64):
         import torch
-        from draftwise.engine_args import EngineArgs
-        from draftwise.entrypoints.llm import LLM
-        from draftwise.entrypoints.openai.serving import EngineLoop
         torch.set_grad_enabled(False)
         self.llm = LLM.from_engine_args(EngineArgs(**engine_options))
         self.loop = EngineLoop(self.llm, None, max_num_queued_requests=max_num_queued_requests)
@@ -26,11 +29,9 @@ class EngineReplica:
         logger.info("engine replica ready on %s (pid %d)", self.node_ip, os.getpid())
 
     def describe(self) -> dict:
-        from draftwise.entrypoints.openai.frontend import describe_engine
         return {**describe_engine(self.llm.engine), "node_ip": self.node_ip, "pid": os.getpid()}
 
     async def generate(self, request: dict):
-        from draftwise.entrypoints.openai.serving import APIError, Submission
         sub = Submission(request["request_id"], request.get("prompt"), request["prompt_token_ids"],
                          request["sampling"], request["default_max_tokens"], asyncio.get_running_loop(),
                          asyncio.Queue())
@@ -81,7 +82,6 @@ class EngineReplica:
 
 def _node_ip() -> str:
     try:
-        from draftwise.distributed.ray_utils import node_ip
         return node_ip()
     except Exception:                  # noqa: BLE001 - outside Ray (tests)
         return "127.0.0.1"

@@ -27,6 +27,8 @@ from __future__ import annotations
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 
+from draftwise.engine.kv_cache import block_hashes
+
 
 @dataclass
 class ReplicaLoad:
@@ -116,7 +118,6 @@ class AffinityRouter:
 
     # --- the decision ----------------------------------------------------------------------------------
     def block_hashes(self, token_ids: list[int]) -> list[bytes]:
-        from draftwise.engine.kv_cache import block_hashes
         bs = self.config.block_size
         return block_hashes(token_ids, bs, len(token_ids) // bs)
 
