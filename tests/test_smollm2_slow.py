@@ -69,8 +69,9 @@ def test_quantized_speculation_is_lossless_on_smollm2(mode):
                                   {"method": "eagle3", "num_speculative_tokens": 3, "hybrid": "suffix"}])
 def test_spec_trace_is_exact_on_smollm2(spec):
     """On MT-bench prompts (two turns each, the second repeating the first answer's context): per
-    request, the trace's accepted tokens equal the engine's counter and its texts the output."""
-    llm = LLM(max_model_len=1024, max_num_seqs=4, speculative_config=spec)
+    request, the trace's accepted tokens equal the engine's counter and its texts the output. The
+    draft allocation is off: it may measure that a drafter never pays here and draft nothing."""
+    llm = LLM(max_model_len=1024, max_num_seqs=4, speculative_config={**spec, "allocate_drafts": False})
     sp = SamplingParams(temperature=0, max_tokens=96, spec_trace=True)
     convs = [[{"role": "user", "content": q}] for q in _mt_prompts(4)]
     outs = llm.chat(convs, sp)

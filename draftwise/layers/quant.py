@@ -145,14 +145,14 @@ def _linear_bias(mod: nn.Module):
     return None if b is None else b.detach()
 
 
-def quantize_model(model: nn.Module, mode: str, source: dict | None = None,
+def quantize_model(model: nn.Module, mode: str, source=None,
                    skip: tuple[str, ...] = ()) -> dict:
     """Replace the linears of `model` (nn.Linear, or the engine's TransposedLinear) by quantized
     ones, in place (a GGUF run on its own blocks, "gguf", is built that way by
     models/loader.load_gguf_target, with exact_linear below).
     - "int4": every layer linear group-wise int4 - the file's own blocks where `source` holds them
       as Q4_1 / Q4_0, else quantized from its weights (the Q4_1 recipe) - and the LM head per-channel
-      int8.
+      int8. `source`: module name -> GroupAffine parts, a dict or a GGUF file's blocks (GGUFBlocks).
     - "int8": every linear per-channel int8.
     Returns {"exact": n, "quantized": n} counts."""
     if mode not in QUANTIZATION_MODES:
@@ -166,7 +166,7 @@ def quantize_model(model: nn.Module, mode: str, source: dict | None = None,
                 continue
             w, b = _linear_weight(sub), _linear_bias(sub)
             if mode == "int4" and full != "lm_head" and w.shape[1] % INT4_GROUP == 0:
-                exact = as_q4_1(source[full]) if full in source else None
+                exact = as_q4_1(source.get(full)) if full in source else None
                 new = Int4Linear(*(exact or quantize_int4_groupwise(w)), INT4_GROUP, b)
                 counts["exact" if exact else "quantized"] += 1
             else:

@@ -155,3 +155,17 @@ def test_gemma3_windows_stay_exact_under_speculation_chunking_and_prefix_hits(tm
     assert _tokens(chunked, prompts, n=20) == plain
     assert _tokens(chunked, prompts, n=20) == plain            # again: every prompt a prefix-cache hit
     assert chunked.get_metrics()["spec_decode"]["num_drafts"] > 0
+
+
+def test_int4_on_a_gguf_keeps_its_q4_blocks_and_quantizes_the_rest(tmp_path):
+    """quantization="int4" on a GGUF file: Q4_1 / Q4_0 layers keep the file's blocks (exact), other
+    types are quantized from their weights; greedy decoding runs and is the same in a batch."""
+    types = {"attn_q": "Q4_1", "attn_k": "Q4_1", "attn_v": "Q4_1", "attn_output": "Q4_0", "ffn_gate": "Q4_1",
+             "ffn_up": "Q4_1", "ffn_down": "Q8_0", "token_embd": "Q8_0"}
+    path = write_tiny_llama_gguf(str(tmp_path / "m.gguf"), types, seed=2)
+    llm = LLM(model=path, quantization="int4", max_model_len=256, speculative_config=None)
+    assert llm.engine.config.quantization == "int4"
+    assert all(isinstance(layer.self_attn.qkv_proj, Int4Linear) for layer in llm.engine.worker.model.layers)
+    prompts = [[5, 9, 2, 7] * 5, list(range(3, 40))]
+    alone = [_tokens(llm, [p])[0] for p in prompts]
+    assert _tokens(llm, prompts) == alone
