@@ -161,7 +161,7 @@ def test_entrypoint_functions_read_alone():
 
 
 # The command line is the one place that imports draftwise's own modules inside functions: each
-# subcommand's modules load only when it runs, so `draftwise --help` answers without loading torch.
+# subcommand's modules load only when it runs (`draftwise --help` loads none of them).
 LAZY_IMPORTS_ALLOWED = {"draftwise.entrypoints.cli"}
 
 
