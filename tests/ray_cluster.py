@@ -128,25 +128,45 @@ class LoopbackRayCluster:
 
     def start(self, timeout: float = 90.0) -> "LoopbackRayCluster":
         try:
-            self.nodes.append(self._start_node(0))
-            self._wait_for_port(self.ips[0], self.gcs_port, timeout)
-            for i in range(1, len(self.ips)):
-                self.nodes.append(self._start_node(i))
-            self.wait_for_nodes(len(self.ips), timeout)
+            for i in range(len(self.ips)):
+                self._join_node(i, timeout)
         except BaseException:
             self.stop()                # a node that did start must not outlive the failure
             raise
         return self
 
-    def _wait_for_port(self, host: str, port: int, timeout: float) -> None:
-        deadline = time.time() + timeout
-        while time.time() < deadline:
+    def _join_node(self, i: int, timeout: float, attempts: int = 3) -> None:
+        """Start node i (0: the head) and wait until the head lists it. `ray start` gives a raylet 30 s to
+        register with the GCS and then exits; on a loaded 2-core machine that can pass, so a node
+        whose process exits is started again on fresh ports, up to `attempts` times."""
+        for attempt in range(attempts):
+            proc = self._start_node(i)
+            self.nodes.append(proc)
+            deadline = time.time() + timeout
+            head_up = i > 0 or self._port_opens(self.ips[0], self.gcs_port, deadline, proc)
+            while head_up and time.time() < deadline and proc.poll() is None:
+                if len(self.alive_nodes()) >= i + 1:
+                    return
+                time.sleep(1)
+            log = self.node_log(i)
+            if proc.poll() is None:
+                break                      # still running but never listed: a retry would not help
+            self.nodes.remove(proc)
+            kill_tree(proc)
+            os.replace(os.path.join(self.tmp, f"node{i}.log"),
+                       os.path.join(self.tmp, f"node{i}.attempt{attempt}.log"))
+        raise TimeoutError(f"Ray node {i} did not come up: {log}")
+
+    @staticmethod
+    def _port_opens(host: str, port: int, deadline: float, proc: subprocess.Popen) -> bool:
+        """True once host:port accepts a connection; False at the deadline or when proc exits."""
+        while time.time() < deadline and proc.poll() is None:
             try:
                 socket.create_connection((host, port), 0.5).close()
-                return
+                return True
             except OSError:
                 time.sleep(0.2)
-        raise TimeoutError(f"Ray head on {host}:{port} did not start: {self.node_log(0)}")
+        return False
 
     def alive_nodes(self) -> list[str]:
         code = ("import ray,json; ray.init(address=%r, _node_ip_address=%r, logging_level='ERROR');"
@@ -159,14 +179,6 @@ class LoopbackRayCluster:
             return json.loads(out.stdout.strip().splitlines()[-1])
         except (IndexError, ValueError):
             return []
-
-    def wait_for_nodes(self, n: int, timeout: float) -> None:
-        deadline = time.time() + timeout
-        while time.time() < deadline:
-            if len(self.alive_nodes()) >= n:
-                return
-            time.sleep(1)
-        raise TimeoutError(f"{n} Ray nodes did not come up: {self.node_log(len(self.nodes) - 1)}")
 
     def node_log(self, i: int) -> str:
         try:
