@@ -18,10 +18,12 @@ every verified token costs about what a decoded one does and only near-certain d
   linear, extrapolated linearly past the largest measured size), plus the step's fixed overhead
   (scheduling, sampling, bookkeeping) learned online from the engine's measured step times.
 - `a_ij`: the drafter's own estimate (suffix decoding's count-based path probability; model
-  drafters' path probability; 1 where a drafter gives none) *calibrated online*: verified nodes
-  are counted per (drafter, position bucket, estimate bin) with exponential decay, starting from
-  the estimate itself as a prior, so an over-confident drafter is corrected within a few hundred
-  drafts and a drafter without estimates learns its acceptance per position.
+  drafters' path probability; 1 where a drafter gives none) *calibrated online*: each node's
+  acceptance given its parent's is counted per (drafter, position bucket, estimate bin) with
+  exponential decay, starting from the estimate itself as a prior, and a node's acceptance is the
+  product along its path - so an over-confident drafter is corrected within a few hundred drafts,
+  a drafter without estimates learns its acceptance per position, and a depth rarely verified
+  borrows the rate of the depth above it.
 """
 from __future__ import annotations
 
@@ -31,6 +33,18 @@ from draftwise.spec_decode.draft import Draft
 
 NUM_BINS = 10                      # estimate bins: [0, 0.1), ..., [0.9, 1]
 POSITION_BUCKETS = (0, 1, 2, 4, 8)  # node depth buckets: 0, 1, 2-3, 4-7, 8+
+
+
+def monotone(points: list[tuple[int, float]]) -> list[tuple[int, float]]:
+    """A step-cost table made non-decreasing in the token count: each cost is capped by every cost
+    measured at more tokens. More tokens never cost less, so a size that measured slower than a
+    larger one met a busy spell of the machine; left in, it would make a draft of that size look
+    dearer than a longer one and the allocation would cut drafts it should keep."""
+    out, cap = [], float("inf")
+    for t, c in reversed(points):
+        cap = min(cap, c)
+        out.append((t, cap))
+    return out[::-1]
 
 
 class StepCosts:
@@ -46,7 +60,7 @@ class StepCosts:
     decayed mean of the rest."""
 
     def __init__(self, points: dict[int, float] | None = None, decay: float = 0.97):
-        self.points = sorted((int(t), float(c)) for t, c in (points or {}).items() if c > 0)
+        self.points = monotone(sorted((int(t), float(c)) for t, c in (points or {}).items() if c > 0))
         self.decay = decay
         self.scale, self.overhead = 1.0, 0.0
         self._sums = [0.0, 0.0, 0.0, 0.0]   # decayed: steps, table seconds, forward seconds, other seconds
@@ -97,76 +111,102 @@ def _position_bucket(depth: int) -> int:
 
 @dataclass
 class AcceptanceCalibration:
-    """Online acceptance of draft nodes by (drafter, depth bucket, estimate bin), with decayed
-    counts and two levels of shrinkage: a cell leans on its (drafter, depth bucket) group with the
-    weight of `prior_weight` observations, and a group leans on the mean estimate the drafter gave
-    its observed nodes (the node's own estimate before anything was observed). So a bin seen
-    rarely inherits what the drafter's nodes at that depth actually achieve, instead of trusting
-    the estimate - count-based estimates from a handful of occurrences are over-confident."""
+    """Online acceptance of draft nodes, learned as the *conditional* rate of a node given that its
+    parent was accepted, by (drafter, depth bucket, estimate bin); a node's acceptance is the
+    product of the conditional rates along its path. The estimate binned is the drafter's own
+    conditional one (its path probability over its parent's). Counts decay, and shrinkage runs at
+    two levels: a cell leans on its (drafter, depth bucket) group with the weight of
+    `prior_weight` trials, and a group leans on the group one bucket shallower (the first bucket
+    on the mean estimate the drafter gave its observed nodes, or the node's own before anything
+    was observed).
+
+    Conditional rates are what a draft's depth changes least - a drafter whose first token is
+    right a third of the time is right about as often again after a right one - so a depth the
+    allocation has rarely let through (drafts cut short verify few deep nodes) inherits the
+    shallower depth's rate instead of staying at whatever its first few trials said, and the
+    allocation keeps trying it while its rate could pay."""
     prior_weight: float = 4.0
     decay: float = 0.998
-    cells: dict = field(default_factory=dict)       # (source, depth bucket, bin) -> [accepted, seen]
-    groups: dict = field(default_factory=dict)      # (source, depth bucket) -> [accepted, seen, sum of estimates]
+    cells: dict = field(default_factory=dict)       # (source, depth bucket, bin) -> [accepted, trials]
+    groups: dict = field(default_factory=dict)      # (source, depth bucket) -> [accepted, trials, sum of estimates]
 
     def _group_rate(self, source: str, bucket: int, estimate: float) -> float:
         acc, seen, sum_p = self.groups.get((source, bucket), (0.0, 0.0, 0.0))
-        prior = sum_p / seen if seen else estimate
+        if bucket == 0:
+            prior = sum_p / seen if seen else estimate
+        else:
+            prior = self._group_rate(source, bucket - 1, estimate)
         return (acc + self.prior_weight * prior) / (seen + self.prior_weight)
 
     def rate(self, source: str, depth: int, estimate: float) -> float:
+        """P(a node at `depth` is accepted | its parent was), for a drafter estimate of that
+        conditional probability."""
         bucket = _position_bucket(depth)
         group = self._group_rate(source, bucket, estimate)
         acc, seen = self.cells.get((source, bucket, _bin(estimate)), (0.0, 0.0))
         return (acc + self.prior_weight * group) / (seen + self.prior_weight)
 
     def estimates(self, draft: Draft) -> list[float]:
-        """Calibrated probability that each node (creation order) is accepted, made
-        non-increasing along the creation order (what the prefix truncation needs)."""
-        raw = draft.probs if draft.probs is not None else [1.0] * len(draft)
+        """Calibrated probability that each node (creation order) is accepted: its parent's times
+        its conditional rate, made non-increasing along the creation order (what the prefix
+        truncation needs)."""
         out, prev = [], 1.0
-        for p, d in zip(raw, _depths(draft.parents)):
-            prev = min(prev, self.rate(draft.source, d, float(p)))
+        for j, (c, d) in enumerate(zip(_conditional_estimates(draft), _depths(draft.parents))):
+            parent = draft.parents[j]
+            p = (out[parent] if parent >= 0 else 1.0) * self.rate(draft.source, d, c)
+            prev = min(prev, p)
             out.append(prev)
         return out
 
     def observe(self, draft: Draft, num_accepted: int) -> None:
-        """A verified chain draft of which the first `num_accepted` nodes were accepted: every node
-        is one trial of its cell (accepted iff it lies before the first rejection), so a cell
-        estimates P(node accepted), the quantity the allocation sums. Trees are not observed (their
-        accepted path is not a prefix of the creation order)."""
+        """A verified chain draft of which the first `num_accepted` nodes were accepted: each node
+        whose parent was accepted is a trial of its cell (accepted iff it lies before the first
+        rejection); nodes after the rejection tell nothing about their own rate. Trees are not
+        observed (their accepted path is not a prefix of the creation order)."""
         if draft is None or not len(draft) or not draft.is_chain:
             return
-        raw = draft.probs if draft.probs is not None else [1.0] * len(draft)
-        for j, p in enumerate(raw):
+        for j, c in enumerate(_conditional_estimates(draft)[:num_accepted + 1]):
             bucket, hit = _position_bucket(j), 1.0 if j < num_accepted else 0.0
-            cell = self.cells.setdefault((draft.source, bucket, _bin(float(p))), [0.0, 0.0])
+            cell = self.cells.setdefault((draft.source, bucket, _bin(c)), [0.0, 0.0])
             cell[0] = cell[0] * self.decay + hit
             cell[1] = cell[1] * self.decay + 1.0
             group = self.groups.setdefault((draft.source, bucket), [0.0, 0.0, 0.0])
             group[0] = group[0] * self.decay + hit
             group[1] = group[1] * self.decay + 1.0
-            group[2] = group[2] * self.decay + float(p)
+            group[2] = group[2] * self.decay + c
 
     def mean_chain(self, length: int) -> list[float]:
         """What a drafter's `length`-node chain is expected to have accepted, node by node
-        (non-increasing): per depth, the decayed share of the drafter's nodes at that depth that
-        were accepted, for the drafter with the best chain; 0.95 per node before anything is
-        observed (so a new drafter is tried)."""
+        (non-increasing): the product of its groups' conditional rates along the depths, for the
+        drafter with the best chain; 0.95 per node conditional before anything is observed (so a
+        new drafter is tried)."""
         best: list[float] = []
         for src in {s for (s, _) in self.groups} or {None}:
             out, prev = [], 1.0
             for d in range(length):
-                acc, seen, _ = self.groups.get((src, _position_bucket(d)), (0.0, 0.0, 0.0))
-                prev = min(prev, acc / seen if seen else (NUM_BINS - 0.5) / NUM_BINS)
+                prev *= self._group_rate(src, _position_bucket(d), (NUM_BINS - 0.5) / NUM_BINS)
                 out.append(prev)
             if sum(out) > sum(best):
                 best = out
         return best
 
     def table(self) -> dict:
+        """Conditional rates by drafter / depth bucket / estimate bin, as `rate` gives them."""
         return {f"{s}/d{POSITION_BUCKETS[b]}/p{k / NUM_BINS:.1f}": round(self.rate(s, POSITION_BUCKETS[b],
                                                                                   (k + 0.5) / NUM_BINS), 3)
                 for (s, b, k) in sorted(self.cells)}
+
+
+def _conditional_estimates(draft: Draft) -> list[float]:
+    """The drafter's estimate of each node's acceptance given its parent's: its path probability
+    over its parent's (1 where the drafter gives none)."""
+    if draft.probs is None:
+        return [1.0] * len(draft)
+    out = []
+    for p, parent in zip(draft.probs, draft.parents):
+        up = draft.probs[parent] if parent >= 0 else 1.0
+        out.append(min(1.0, max(0.0, float(p) / up)) if up > 0 else 0.0)
+    return out
 
 
 def _depths(parents: list[int]) -> list[int]:

@@ -109,13 +109,16 @@ class ModelRunner:
 
     @torch.inference_mode()
     def measure_target_costs(self, sizes, repeats: int = 3, context: int = 0,
-                             large_repeats: int | None = 2, num_requests: int = 1) -> dict[int, float]:
+                             large_repeats: int | None = 2, num_requests: int = 1,
+                             budget_s: float = 0.0, max_rounds: int = 12) -> dict[int, float]:
         """Seconds per target forward (layers + LM head on every row) of `num_requests` requests each
         feeding each token count in `sizes` after `context` cached tokens, best of `repeats` (`large_repeats`
         for more than 8 tokens: the start-up measurement keeps those short; None = `repeats`), on
         scratch KV blocks (call before serving). Rounds visit every size in turn, so a slow spell
-        of a shared machine lands on all sizes alike. The adaptive policy's cost table and
-        `draftwise bench step-cost` both read this."""
+        of a shared machine lands on all sizes alike; with `budget_s`, rounds go on (up to
+        `max_rounds`) while the measurement has taken less than that many seconds, since a busy
+        machine only ever makes a forward slower and the best of more rounds is nearer its cost.
+        The adaptive policy's cost table and `draftwise bench step-cost` both read this."""
         inputs = {}
         for n in sizes:
             step = self.scratch_step_inputs(n, context, num_requests)
@@ -124,14 +127,16 @@ class ModelRunner:
             inputs[n] = step
         reps = {n: repeats if n * num_requests <= 8 or large_repeats is None else large_repeats for n in inputs}
         best = {n: float("inf") for n in inputs}
-        for i in range(max(reps.values(), default=0) + 1):
+        start, i = time.perf_counter(), 0
+        while i <= max(reps.values(), default=0) or (i <= max_rounds and time.perf_counter() - start < budget_s):
             for n, step in inputs.items():
-                if i > reps[n]:
+                if i > reps[n] and time.perf_counter() - start >= budget_s:
                     continue
                 t0 = time.perf_counter()
                 self._target_forward(*step)
                 if i:                                       # round 0 warms up
                     best[n] = min(best[n], time.perf_counter() - t0)
+            i += 1
         return best
 
     def scratch_step_inputs(self, n: int, context: int = 0, num_requests: int = 1):

@@ -281,7 +281,9 @@ class TensorParallelRunner:
             self.driver.send("accept", result.accepted_rows)
         return result
 
-    def measure_target_costs(self, sizes, repeats: int = 3, context: int = 0, large_repeats: int | None = 2):
+    def measure_target_costs(self, sizes, repeats: int = 3, context: int = 0, large_repeats: int | None = 2,
+                             budget_s: float = 0.0):
+        """Every rank runs the same forwards (a collective each), so no time budget: fixed rounds."""
         self.driver.send("measure", {"sizes": list(sizes), "repeats": repeats, "context": context,
                                      "large_repeats": large_repeats})
         return self.driver.collective(lambda: self.runner.measure_target_costs(sizes, repeats, context, large_repeats))

@@ -46,6 +46,10 @@ from draftwise.step import ModelRunnerOutput, SchedulerOutput
 from draftwise.worker.model_runner import ModelRunner, StepInputs, StepTimer
 from draftwise.worker.tensor_parallel import TensorParallelRunner, TPDriver, threads_per_rank
 
+# seconds the start-up step-cost table may spend on extra rounds (best of more rounds on a busy
+# machine); the fixed rounds run whatever the budget
+STEP_COST_BUDGET_S = 1.5
+
 logger = logging.getLogger("draftwise")
 
 
@@ -233,7 +237,7 @@ class Worker:
         """Start-up table of target step costs, measured once per model, execution mode and
         machine and cached on disk (a restart reads it back)."""
         c = self.config
-        key = json.dumps([os.path.abspath(self.model_path), c.quantization, bool(c.enforce_eager), c.dtype, c.device,
+        key = json.dumps(["v2", os.path.abspath(self.model_path), c.quantization, bool(c.enforce_eager), c.dtype, c.device,
                           torch.get_num_threads(), torch.backends.cpu.get_cpu_capability(), torch.__version__,
                           c.block_size, c.tensor_parallel_size, list(sizes)])
         path = os.path.join(cache_dir(), "step_costs", hashlib.sha1(key.encode()).hexdigest()[:16] + ".json")
@@ -242,7 +246,7 @@ class Worker:
                 return {int(k): float(v) for k, v in json.load(f).items()}
         except (OSError, ValueError):
             pass
-        costs = self.runner.measure_target_costs(sizes)
+        costs = self.runner.measure_target_costs(sizes, budget_s=STEP_COST_BUDGET_S)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         with open(path + ".tmp", "w") as f:
             json.dump(costs, f)

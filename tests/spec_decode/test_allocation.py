@@ -55,6 +55,16 @@ def test_step_costs_interpolate_and_follow_the_served_steps():
     assert not StepCosts() and StepCosts()(5) == 0.0
 
 
+def test_a_size_that_measured_dearer_than_a_larger_one_is_capped():
+    # measured on a busy machine: 2 tokens met a slow spell and cost more than 4
+    c = StepCosts({1: 0.0051, 2: 0.0085, 4: 0.0065, 8: 0.0096})
+    assert c.points == [(1, 0.0051), (2, 0.0065), (4, 0.0065), (8, 0.0096)]
+    assert all(c(t) <= c(t + 1) for t in range(1, 12))
+    # with the slow spell left in, a one-node draft would have looked dearer than it is
+    assert allocate([[0.4]], 1, 1, c) == [1]
+    assert allocate([[0.4]], 1, 1, lambda t: {1: 0.0051, 2: 0.0085}[t]) == [0]
+
+
 def test_calibration_learns_an_over_confident_drafter():
     cal = AcceptanceCalibration()
     d = Draft.chain([1, 2, 3], "suffix", [0.95, 0.9, 0.9])
@@ -69,6 +79,25 @@ def test_calibration_learns_an_over_confident_drafter():
         cal.observe(e, 1 if i % 2 else 2)           # the first always accepted, the second half the time
     a0, a1 = cal.estimates(e)
     assert a0 > 0.9 and 0.4 < a1 < 0.6
+
+
+def test_a_depth_rarely_verified_borrows_the_rate_of_the_depth_above():
+    cal = AcceptanceCalibration(decay=1.0)
+    one = Draft.chain([1], "suffix", [0.7])
+    two = Draft.chain([1, 2], "suffix", [0.7, 0.5])
+    for i in range(300):                            # one-node drafts: a third accepted
+        cal.observe(one, 1 if i % 3 == 0 else 0)
+    for _ in range(2):                              # two unlucky two-node drafts: the second rejected
+        cal.observe(two, 1)
+    a0, a1 = cal.estimates(two)
+    assert a0 == pytest.approx(1 / 3, abs=0.02)
+    # the second node's rate given the first: the first depth's third, pulled down only a little
+    # by two misses, not zero - so the allocation keeps trying second nodes while they could pay
+    assert 0.1 < a1 / a0 < 1 / 3
+    # counted only where the parent was accepted: a rejected first node says nothing of the second
+    before = dict(cal.groups)
+    cal.observe(two, 0)
+    assert cal.groups[("suffix", 1)] == before[("suffix", 1)]
 
 
 def test_drafting_is_skipped_where_it_cannot_pay_but_still_explored():
