@@ -280,14 +280,18 @@ class LLMEngine:
         if self.policy is not None:
             k = self.policy.choose(len(self.scheduler.running))
         allocator = self.scheduler.draft_allocator
-        if (self.policy is not None and k == 0) or (allocator is not None and not self.scheduler.must_draft()
-                                                    and not allocator.worth_drafting(*self.scheduler.next_step_shape())):
-            # plain decoding this step: skip the drafter entirely (its KV for these positions goes
-            # stale, which can only lower later acceptance, never change outputs)
+        # plain decoding this step: skip the drafter entirely (its KV for these positions goes
+        # stale, which can only lower later acceptance, never change outputs)
+        if self.policy is not None and k == 0:
             return
+        limit = None                         # requests to draft for at most (None: every one)
+        if allocator is not None and not self.scheduler.must_draft():
+            if not allocator.worth_drafting(*self.scheduler.next_step_shape()):
+                return
+            limit = allocator.explore_requests
         t_draft = time.perf_counter()
         try:
-            drafts = self.worker.propose(step, k)
+            drafts = self.worker.propose(step, k, limit)
         except Exception:                    # noqa: BLE001 - drafts only ever save time
             logger.exception("the drafter failed; this step's requests decode without drafts")
             return

@@ -246,6 +246,7 @@ class DraftAllocator:
 
     EXPLORE_EVERY = 8
     MAX_EXPLORE_EVERY = 64
+    EXPLORE_REQUESTS = 2                   # an exploring step drafts for this many requests at most
 
     def __init__(self, costs: StepCosts, calibration: AcceptanceCalibration | None = None):
         self.costs = costs
@@ -257,6 +258,7 @@ class DraftAllocator:
         self._skips_in_row = 0
         self._explore_every = self.EXPLORE_EVERY
         self._exploring = False
+        self.explore_requests: int | None = None   # the next drafting step's request limit (None: all)
         self.draft_seconds = 0.0           # decayed mean of a step's drafting seconds
         self.longest_draft = 1             # nodes of the longest draft offered so far (at most 32)
 
@@ -287,9 +289,12 @@ class DraftAllocator:
         # a skipped step still drafts now and then, so the calibration keeps learning what drafts
         # are worth now (text turns repetitive, the batch shrinks): after EXPLORE_EVERY skipped
         # steps, backing off to MAX_EXPLORE_EVERY while explorations keep nothing
+        # - and drafts for a couple of requests only: in a large batch, drafting for every request
+        # to learn what one request's drafts would tell costs a good part of a step
         explore = with_one <= base and self._skips_in_row + 1 >= self._explore_every
         worth = with_one > base or explore
         self._exploring = explore
+        self.explore_requests = self.EXPLORE_REQUESTS if explore else None
         self._skips_in_row = 0 if worth else self._skips_in_row + 1
         self.skipped += not worth
         return worth

@@ -64,6 +64,7 @@ class ModelRunner:
         self.model = model               # a tensor-parallel target is called the same way
         self.model_cfg = model_cfg
         self.proposer = proposer
+        self._explore_turn = 0           # which requests a request-limited drafting step drafts for
         self.device = torch.device(config.device)
         self.block_size = config.block_size
         specs = [(model.num_local_kv_heads, model_cfg.head_dim)] * model_cfg.num_hidden_layers
@@ -335,8 +336,11 @@ class ModelRunner:
         return spec.draft_seeded_sampling or params.seed is None or params.greedy
 
     @torch.inference_mode()
-    def propose(self, step: ModelRunnerOutput, num_spec_tokens: int) -> list[Draft | None]:
-        """Drafts for every scheduled request (None where none is wanted)."""
+    def propose(self, step: ModelRunnerOutput, num_spec_tokens: int,
+                max_requests: int | None = None) -> list[Draft | None]:
+        """Drafts for every scheduled request (None where none is wanted); with `max_requests`,
+        for that many of them at most (the others only update the drafter's state), taken in
+        turn from step to step."""
         if self.proposer is None:
             return [None] * len(step.sched.scheduled)
         t0 = time.perf_counter()
@@ -362,6 +366,9 @@ class ModelRunner:
             want.append(bool(num_spec_tokens > 0 and s.completes_prompt and not req.is_finished
                              and req.params.speculate and self._drafts_allowed(req.params)
                              and sampled_pos + num_spec_tokens < self.config.max_model_len))
+        if max_requests is not None and sum(want) > max_requests:
+            want = _some_of(want, max_requests, self._explore_turn)
+            self._explore_turn += 1
         if not any(want) and not self.proposer.needs_aux_hidden_states:
             return [None] * len(scheds)
         row_t = torch.tensor(rows, dtype=torch.long, device=self.device)
@@ -384,3 +391,10 @@ class ModelRunner:
                 drafts[i] = d.truncated(room) if room > 0 else None
         self.timer.add("drafting", time.perf_counter() - t0)
         return drafts
+
+
+def _some_of(want: list[bool], n: int, turn: int) -> list[bool]:
+    """`want` with only n of its True entries kept, starting at the `turn`-th (cyclically)."""
+    idx = [i for i, w in enumerate(want) if w]
+    keep = {idx[(turn + j) % len(idx)] for j in range(n)}
+    return [i in keep for i in range(len(want))]

@@ -107,9 +107,10 @@ class Worker:
     def run(self, inputs: StepInputs) -> ModelRunnerOutput:
         return self.runner.run(inputs)
 
-    def propose(self, step: ModelRunnerOutput, num_tokens: int):
-        """Drafts for the next step, one per scheduled request (None where it gets none)."""
-        return self.runner.propose(step, num_tokens)
+    def propose(self, step: ModelRunnerOutput, num_tokens: int, max_requests: int | None = None):
+        """Drafts for the next step, one per scheduled request (None where it gets none); with
+        `max_requests`, for at most that many of them."""
+        return self.runner.propose(step, num_tokens, max_requests)
 
     def on_request_finished(self, request) -> None:
         if self.proposer is not None:

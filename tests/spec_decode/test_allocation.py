@@ -105,8 +105,14 @@ def test_drafting_is_skipped_where_it_cannot_pay_but_still_explored():
     d = Draft.chain([1], "suffix", [0.5])
     for _ in range(300):
         al.observe(d, 0)
-    decisions = [al.worth_drafting(16, 16) for _ in range(16)]
+    decisions, limits = [], []
+    for _ in range(16):
+        decisions.append(al.worth_drafting(16, 16))
+        limits.append(al.explore_requests)
     assert decisions.count(True) == 16 // DraftAllocator.EXPLORE_EVERY
+    # an exploring step drafts for a couple of the 16 requests, not all
+    assert [lim for d, lim in zip(decisions, limits) if d] == [DraftAllocator.EXPLORE_REQUESTS] * 2
+    assert all(lim is None for d, lim in zip(decisions, limits) if not d)
     # explorations that keep nothing back off: 8, 16, 32, ... skipped steps between them
     al2 = DraftAllocator(StepCosts({1: 0.001, 64: 0.064}))
     for _ in range(300):
@@ -119,6 +125,15 @@ def test_drafting_is_skipped_where_it_cannot_pay_but_still_explored():
     assert explored == [7, 7 + 16, 7 + 16 + 32, 7 + 16 + 32 + 64, 7 + 16 + 32 + 64 + 64]
     cheap = DraftAllocator(StepCosts({1: 0.010, 64: 0.011}))   # memory-bound: verification is free
     assert all(cheap.worth_drafting(16, 16) for _ in range(16))
+    assert cheap.explore_requests is None                      # drafting that pays drafts for all
+
+
+def test_a_request_limited_drafting_step_takes_the_requests_in_turn():
+    from draftwise.worker.model_runner import _some_of
+    want = [True, False, True, True, True]
+    assert _some_of(want, 2, 0) == [True, False, True, False, False]
+    assert _some_of(want, 2, 1) == [False, False, True, True, False]
+    assert _some_of(want, 2, 3) == [True, False, False, False, True]
 
 
 def test_scheduler_verifies_the_allocated_part_of_each_draft():

@@ -80,11 +80,11 @@ def test_steps_without_drafting_are_caught_up(models, reference, monkeypatch):
     from draftwise.worker.model_runner import ModelRunner
     orig, calls = ModelRunner.propose, []
 
-    def every_third(self, step, k):
+    def every_third(self, step, k, max_requests=None):
         calls.append(1)
         if len(calls) % 3:
             return [None] * len(step.sched.scheduled)
-        return orig(self, step, k)
+        return orig(self, step, k, max_requests)
 
     monkeypatch.setattr(ModelRunner, "propose", every_third)
     llm, outs = _run(target, _spec(target))
