@@ -15,7 +15,7 @@
 namespace draftwise {
 namespace q8act512 {
 
-constexpr int MT_MAX = 6;      // rows per register tile (4 zmm each)
+constexpr int MT_MAX = 8;      // rows per register tile (3 zmm each)
 
 // a column block's 16 scales / minimums of group g, from each scale policy
 AVX512VNNI inline __m512 scales16(const float* p) { return _mm512_loadu_ps(p); }
@@ -58,25 +58,43 @@ AVX512VNNI inline void load_step(const uint8_t* p, __m512i& a, __m512i& b) {
   }
 }
 
-// rows r0 .. r0 + MT - 1 of one column block (its codes `pk`, its scales `sc`)
-template <int BITS, int MT, typename S>
+// rows r0 .. r0 + MT - 1 of one column block (its codes `pk`, its scales `sc`); OG = group / 8 octets
+// per group, a compile-time constant so a group's dot products are straight-line code and every
+// row's two chains stay in registers. The first chain starts at minus the group's offset term
+// (exact integers: the same sum as subtracting it at the end)
+template <int BITS, int MT, int OG, typename S>
 AVX512VNNI void rows(const q8act::Activations& act, int r0, const uint8_t* pk, const S& sc, float* y, int64_t N) {
-  const int K = act.K, group = act.group, G = act.G, OG = group / q8act::OCTET;
-  const int64_t sb = q8act::step_bytes(BITS);
+  const int K = act.K, G = act.G;
+  constexpr int group = OG * q8act::OCTET;
+  constexpr int64_t sb = BITS == 8 ? 128 : 64 + 16 * (BITS - 4);
   __m512 acc[MT];
 #pragma GCC unroll 8
   for (int r = 0; r < MT; ++r) acc[r] = _mm512_setzero_ps();
   const int32_t* xq[MT];
-  for (int r = 0; r < MT; ++r) xq[r] = reinterpret_cast<const int32_t*>(act.row(r0 + r));
+  const int32_t* corr[MT];
+  const float* xd[MT];
+  const float* xs[MT];
+#pragma GCC unroll 8
+  for (int r = 0; r < MT; ++r) {
+    xq[r] = reinterpret_cast<const int32_t*>(act.row(r0 + r));
+    corr[r] = act.corr.data() + static_cast<int64_t>(r0 + r) * G;
+    xd[r] = act.d.data() + static_cast<int64_t>(r0 + r) * (K / q8act::QBLOCK);
+    xs[r] = act.xs.data() + static_cast<int64_t>(r0 + r) * G;
+  }
   for (int g = 0; g < G; ++g) {
     __m512i ia[MT], ib[MT];
 #pragma GCC unroll 8
-    for (int r = 0; r < MT; ++r) ia[r] = ib[r] = _mm512_setzero_si512();
+    for (int r = 0; r < MT; ++r) {
+      ia[r] = _mm512_set1_epi32(-corr[r][g]);
+      ib[r] = _mm512_setzero_si512();
+    }
+    const uint8_t* pg = pk + static_cast<int64_t>(g) * OG * sb;
+#pragma GCC unroll 4
     for (int o = 0; o < OG; ++o) {
       const int oct = g * OG + o;
-      _mm_prefetch(reinterpret_cast<const char*>(pk + oct * sb + PREFETCH_BYTES), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(pg + o * sb + PREFETCH_BYTES), _MM_HINT_T0);
       __m512i a, b;
-      load_step<BITS>(pk + oct * sb, a, b);
+      load_step<BITS>(pg + o * sb, a, b);
 #pragma GCC unroll 8
       for (int r = 0; r < MT; ++r) {
         ia[r] = _mm512_dpbusd_epi32(ia[r], a, _mm512_set1_epi32(xq[r][2 * oct]));
@@ -87,30 +105,35 @@ AVX512VNNI void rows(const q8act::Activations& act, int r0, const uint8_t* pk, c
     const int db = g * group / q8act::QBLOCK;
 #pragma GCC unroll 8
     for (int r = 0; r < MT; ++r) {
-      const int rr = r0 + r;
-      const __m512i t = _mm512_sub_epi32(_mm512_add_epi32(ia[r], ib[r]), _mm512_set1_epi32(act.corr[rr * G + g]));
-      const __m512 sd = _mm512_mul_ps(s, _mm512_set1_ps(act.d[rr * (K / q8act::QBLOCK) + db]));
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), sd, acc[r]);
+      const __m512 sd = _mm512_mul_ps(s, _mm512_set1_ps(xd[r][db]));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(ia[r], ib[r])), sd, acc[r]);
     }
     if (sc.has_min()) {
       const __m512 m = min16(sc, g);
 #pragma GCC unroll 8
-      for (int r = 0; r < MT; ++r) acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(act.xs[(r0 + r) * G + g]), acc[r]);
+      for (int r = 0; r < MT; ++r) acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xs[r][g]), acc[r]);
     }
   }
 #pragma GCC unroll 8
   for (int r = 0; r < MT; ++r) _mm512_storeu_ps(y + static_cast<int64_t>(r) * N, acc[r]);
 }
 
-template <int BITS, typename S>
-AVX512VNNI void rows_any(int mt, const q8act::Activations& act, int r0, const uint8_t* pk, const S& sc, float* y,
-                         int64_t N) {
+template <int BITS, int OG, typename S>
+AVX512VNNI void rows_og(int mt, const q8act::Activations& act, int r0, const uint8_t* pk, const S& sc, float* y,
+                        int64_t N) {
   switch (mt) {
-#define CASE(n) case n: rows<BITS, n, S>(act, r0, pk, sc, y, N); break;
-    CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6)
+#define CASE(n) case n: rows<BITS, n, OG, S>(act, r0, pk, sc, y, N); break;
+    CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8)
 #undef CASE
     default: break;
   }
+}
+
+template <int BITS, typename S>
+AVX512VNNI void rows_any(int mt, const q8act::Activations& act, int r0, const uint8_t* pk, const S& sc, float* y,
+                         int64_t N) {
+  if (act.group == 16) rows_og<BITS, 2, S>(mt, act, r0, pk, sc, y, N);
+  else rows_og<BITS, 4, S>(mt, act, r0, pk, sc, y, N);
 }
 
 // every column block, in parallel; within a thread's share, rows in chunks whose activations stay
