@@ -137,6 +137,15 @@ def _sources_digest(folder: str) -> str:
     return h.hexdigest()[:16]
 
 
+def kernels_id() -> str:
+    """What the kernels' numbers and speed depend on: the ISA they run on and, for a built ISA, a
+    digest of their sources (a cache of measured costs keyed by it is redone after an upgrade)."""
+    chosen = isa()
+    if chosen == "none":
+        return "none"
+    return f"{chosen}-{_sources_digest(os.path.join(os.path.dirname(__file__), 'cpu'))}"
+
+
 def attention_reads_16bit() -> bool:
     """Whether the row-invariant attention kernel serves this machine (it reads fp32, bf16 and
     fp16 caches alike); where it does not, a 16-bit cache would fall back to per-row SDPA."""

@@ -31,7 +31,7 @@ import torch
 
 from draftwise.config import EngineConfig, ModelConfig, cache_dir, default_kv_tokens
 from draftwise.distributed.tensor_parallel import DrafterTargetView, check_divisibility, shard_target
-from draftwise.kernels import attention_reads_16bit
+from draftwise.kernels import attention_reads_16bit, kernels_id
 from draftwise.kernels import load as load_kernels
 from draftwise.layers.fused_layer import enable_fused_layers
 from draftwise.layers.linear import prepare_linears_for_inference
@@ -239,7 +239,7 @@ class Worker:
         machine and cached on disk (a restart reads it back)."""
         c = self.config
         key = json.dumps(["v2", os.path.abspath(self.model_path), c.quantization, bool(c.enforce_eager), c.dtype, c.device,
-                          torch.get_num_threads(), torch.backends.cpu.get_cpu_capability(), torch.__version__,
+                          torch.get_num_threads(), torch.backends.cpu.get_cpu_capability(), torch.__version__, kernels_id(),
                           c.block_size, c.tensor_parallel_size, list(sizes)])
         path = os.path.join(cache_dir(), "step_costs", hashlib.sha1(key.encode()).hexdigest()[:16] + ".json")
         try:

@@ -155,3 +155,19 @@ def test_many_rows_in_wide_column_blocks_equal_single_rows(isa_kernels, rows):
     alone = torch.cat([kernels.int4_linear(x[r:r + 1], nib, sm, use_amx) for r in range(rows)])
     assert torch.equal(y, alone)
     torch.testing.assert_close(y.double(), x.double() @ kernels.unpack_int4(nib, sm).double().t(), atol=2e-4, rtol=1e-4)
+
+
+def test_kernels_id_names_the_isa_and_the_sources(tmp_path, monkeypatch):
+    """Costs measured on one kernel build are not reused by another: the id that keys the cached
+    step-cost table changes with the ISA the kernels run on and with any change to their sources."""
+    with kernels.forced_isa("none"):
+        assert kernels.kernels_id() == "none"
+    if kernels.cpu_isa() == "none":
+        pytest.skip("this CPU has no kernel ISA")
+    with kernels.forced_isa("avx2"):
+        avx2 = kernels.kernels_id()
+    assert avx2.startswith("avx2-")
+    (tmp_path / "a.h").write_text("int a;")
+    before = kernels._sources_digest(str(tmp_path))
+    (tmp_path / "a.h").write_text("int b;")
+    assert kernels._sources_digest(str(tmp_path)) != before
