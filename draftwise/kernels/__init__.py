@@ -32,6 +32,7 @@ _state: dict = {}
 ISAS = ("amx", "avx512", "avx2", "none")           # best first
 _SOURCES = {"amx": "avx512.cpp", "avx512": "avx512.cpp", "avx2": "avx2.cpp"}
 _CFLAGS = {"avx2.cpp": ["-mavx2", "-mfma", "-mf16c"]}   # the AVX-512 file marks its functions itself
+_CPU_DIR = os.path.join(os.path.dirname(__file__), "cpu")   # the kernel sources
 _AVX512 = {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "avx512_vnni"}
 
 
@@ -116,13 +117,12 @@ def load():
 
 def _build(source: str):
     from torch.utils.cpp_extension import load as build
-    here = os.path.join(os.path.dirname(__file__), "cpu")
     logger.info("building the %s CPU kernels (first run only)", source)
     # torch rebuilds an extension when its listed source changes, not its headers: a digest of every
     # file here in the flags makes any change (an upgrade) rebuild instead of loading a stale library
-    return build(name="draftwise_cpu_" + source.split(".")[0], sources=[os.path.join(here, source)],
-                 extra_include_paths=[here],
-                 extra_cflags=["-O3", "-fopenmp", f"-DDRAFTWISE_SOURCES={_sources_digest(here)}",
+    return build(name="draftwise_cpu_" + source.split(".")[0], sources=[os.path.join(_CPU_DIR, source)],
+                 extra_include_paths=[_CPU_DIR],
+                 extra_cflags=["-O3", "-fopenmp", f"-DDRAFTWISE_SOURCES={_sources_digest(_CPU_DIR)}",
                                *_CFLAGS.get(source, [])],
                  extra_ldflags=["-fopenmp"], verbose=False)
 
@@ -143,7 +143,7 @@ def kernels_id() -> str:
     chosen = isa()
     if chosen == "none":
         return "none"
-    return f"{chosen}-{_sources_digest(os.path.join(os.path.dirname(__file__), 'cpu'))}"
+    return f"{chosen}-{_sources_digest(_CPU_DIR)}"
 
 
 def attention_reads_16bit() -> bool:

@@ -157,7 +157,7 @@ def test_many_rows_in_wide_column_blocks_equal_single_rows(isa_kernels, rows):
     torch.testing.assert_close(y.double(), x.double() @ kernels.unpack_int4(nib, sm).double().t(), atol=2e-4, rtol=1e-4)
 
 
-def test_kernels_id_names_the_isa_and_the_sources(tmp_path, monkeypatch):
+def test_kernels_id_names_the_isa_and_the_sources(tmp_path):
     """Costs measured on one kernel build are not reused by another: the id that keys the cached
     step-cost table changes with the ISA the kernels run on and with any change to their sources."""
     with kernels.forced_isa("none"):

@@ -66,7 +66,7 @@ template <int BITS, int MT, int OG, typename S>
 AVX512VNNI void rows(const q8act::Activations& act, int r0, const uint8_t* pk, const S& sc, float* y, int64_t N) {
   const int K = act.K, G = act.G;
   constexpr int group = OG * q8act::OCTET;
-  constexpr int64_t sb = BITS == 8 ? 128 : 64 + 16 * (BITS - 4);
+  constexpr int64_t sb = q8act::step_bytes(BITS);
   __m512 acc[MT];
 #pragma GCC unroll 8
   for (int r = 0; r < MT; ++r) acc[r] = _mm512_setzero_ps();

@@ -34,7 +34,7 @@ constexpr int QBLOCK = 32;     // inputs per activation scale
 constexpr int OCTET = 8;       // inputs per code step
 constexpr int ROW_CHUNK = 64;  // rows whose activations stay in cache while a thread's column blocks pass
 
-inline int64_t step_bytes(int bits) { return bits == 8 ? 128 : 64 + 16 * (bits - 4); }
+constexpr int64_t step_bytes(int bits) { return bits == 8 ? 128 : 64 + 16 * (bits - 4); }
 
 // The scales of the super-block families as their files store them (a column block's 16 lanes
 // per super-block: d fp16 [16], then sc int8 [gps][16]); a group's scale is d * sc in fp32, the
