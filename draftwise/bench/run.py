@@ -83,7 +83,8 @@ def add_bench_args(p) -> None:
     p.add_argument("--quantization", default="auto", choices=["auto", "gguf", "none", "int8", "int4"],
                    help="target weights for every engine method without an @none/@int8/@int4 suffix (default: "
                         "auto, the engine's default - the model's own format, Q4_1 for the packaged GGUF)")
-    p.add_argument("--rounds", type=int, default=1, help="sweep: repeat the sweep, report medians")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="repeat the runs (odd rounds in reverse method order); report medians over rounds")
     p.add_argument("--peer-python", default=None,
                    help="NAME=PATH[,NAME=PATH]: the Python of the environment that has a peer (llamacpp, openvino), "
                         "e.g. openvino=~/ov-env/bin/python (default: this interpreter)")
@@ -328,24 +329,61 @@ def run_bench(args) -> list[dict]:
                             getattr(args, "draft_quantization", None))
     if methods[0][0] != "ar":
         methods.insert(0, ("ar", None, getattr(args, "quantization", None)))
-    total = sum(min(len(c), args.max_turns) for c in convs) * len(methods)
+    rounds = max(1, getattr(args, "rounds", 1) or 1)
+    total = sum(min(len(c), args.max_turns) for c in convs) * len(methods) * rounds
     bar = tqdm(total=total, desc="bench", dynamic_ncols=True)
-    results = []
-    for name, spec, quant in methods:
-        bar.set_postfix(method=name)
-        if spec in PEERS:
-            r = run_peer_method(name, args, convs, bar)
-        else:
-            r = run_engine_method(name, spec, args, convs, bar, quantization=quant)
-        results.append(r)
+    per_round = []                           # per round: one result per method, in `methods` order
+    for rnd in range(rounds):
+        done = {}
+        # odd rounds run the methods in reverse order, so neither always runs first
+        for j in (range(len(methods)) if rnd % 2 == 0 else reversed(range(len(methods)))):
+            name, spec, quant = methods[j]
+            bar.set_postfix(method=name, round=rnd + 1)
+            if spec in PEERS:
+                done[j] = run_peer_method(name, args, convs, bar)
+            else:
+                done[j] = run_engine_method(name, spec, args, convs, bar, quantization=quant)
+        per_round.append([done[j] for j in range(len(methods))])
     bar.close()
-    ar = results[0]
-    # greedy outputs are compared with plain decoding of the same weights (fp32 or quantized)
-    plain = {r.get("quantization"): r for r in results if r.get("spec", 0) is None}
-    for r in results:
-        r["speedup_vs_ar"] = r["tokens_per_s"] / ar["tokens_per_s"] if ar["tokens_per_s"] else None
-        base = plain.get(r.get("quantization"), ar) if r.get("spec") not in PEERS else ar
-        r["speedup_vs_same_weights_ar"] = r["tokens_per_s"] / base["tokens_per_s"] if base["tokens_per_s"] else None
+    return combine_rounds(per_round)
+
+
+def _ratio(a: dict, b: dict) -> float | None:
+    return a["tokens_per_s"] / b["tokens_per_s"] if b.get("tokens_per_s") else None
+
+
+def _median(xs: list) -> float | None:
+    xs = sorted(x for x in xs if x is not None)
+    if not xs:
+        return None
+    mid = len(xs) // 2
+    return xs[mid] if len(xs) % 2 else (xs[mid - 1] + xs[mid]) / 2
+
+
+def combine_rounds(per_round: list[list[dict]]) -> list[dict]:
+    """One result per method from its runs in every round (the first method is `ar`): tokens/s the
+    median over rounds, speedups the median of each round's ratio to plain decoding in that round
+    (steadier than a ratio of medians while the machine's speed drifts), outputs and counters from
+    the first round; greedy outputs compared with plain decoding of the same weights."""
+    results = [dict(r) for r in per_round[0]]
+    for j, r in enumerate(results):
+        runs = [rnd[j] for rnd in per_round]
+        if len(runs) > 1:
+            r["round_tokens_per_s"] = [x.get("tokens_per_s") for x in runs]
+            r["same_outputs_every_round"] = all(x.get("outputs") == runs[0].get("outputs") for x in runs)
+            r["tokens_per_s"] = _median(r["round_tokens_per_s"]) or 0.0
+            if r.get("decode_tokens_per_s") is not None:
+                r["decode_tokens_per_s"] = _median([x.get("decode_tokens_per_s") for x in runs])
+    ar_index = 0
+    for j, r in enumerate(results):
+        # greedy outputs and speedups against plain decoding of the same weights (fp32 or quantized)
+        base_index = next((i for i, b in enumerate(results) if b.get("spec", 0) is None
+                           and b.get("quantization") == r.get("quantization")), ar_index)
+        if r.get("spec") in PEERS:
+            base_index = ar_index
+        r["speedup_vs_ar"] = _median([_ratio(rnd[j], rnd[ar_index]) for rnd in per_round])
+        r["speedup_vs_same_weights_ar"] = _median([_ratio(rnd[j], rnd[base_index]) for rnd in per_round])
+        base = results[base_index]
         r["greedy_reference"] = base["method"]
         pairs = [(a, b) for ca, cb in zip(base["outputs"], r["outputs"]) for a, b in zip(ca, cb)]
         r["greedy_match"] = sum(a == b for a, b in pairs) / len(pairs) if pairs else None
@@ -370,8 +408,10 @@ def machine_description() -> str:
 
 def to_markdown(results: list[dict], args) -> str:
     lines = [f"Prompts: `{args.dataset}` ({args.num_prompts or 'all'} conversations, up to {args.max_turns} turns), "
-             f"greedy, batch {args.batch_size}, up to {args.max_tokens} new tokens per turn. "
-             f"Machine: {machine_description()}.", "",
+             f"greedy, batch {args.batch_size}, up to {args.max_tokens} new tokens per turn"
+             + (f"; {args.rounds} rounds: tokens/s their median, speedups the median of each round's ratio"
+                if getattr(args, "rounds", 1) > 1 else "")
+             + f". Machine: {machine_description()}.", "",
              "| method | tokens/s | decode tok/s | TTFT mean | speedup vs AR | vs AR, same weights | mean acc. length "
              "| acceptance per position | greedy == plain decoding (of) |",
              "|---|---|---|---|---|---|---|---|---|"]

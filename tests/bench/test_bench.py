@@ -162,3 +162,23 @@ def test_draft_model_presets_take_the_draft_model_option():
     assert plain is None
     assert spec == {"method": "draft_model", "num_speculative_tokens": 4, "hybrid": "suffix",
                     "model": "qwen2.5-coder-0.5b", "quantization": "Q4_0"}
+
+
+def test_rounds_report_medians_and_the_median_ratio_of_each_round():
+    """With --rounds, tokens/s is the median over rounds and a speedup the median of the ratios
+    measured within each round (a round run while the machine is slow slows every method)."""
+    from draftwise.bench.run import combine_rounds
+
+    def run(method, tps, spec=None, outputs=((1, 2),)):
+        return {"method": method, "spec": spec, "quantization": "gguf", "tokens_per_s": tps,
+                "decode_tokens_per_s": tps, "outputs": [list(outputs)]}
+
+    rounds = [[run("ar", 10.0), run("auto", 15.0, "auto")],
+              [run("ar", 20.0), run("auto", 24.0, "auto")],       # a fast spell: both faster
+              [run("ar", 12.0), run("auto", 18.0, "auto", outputs=((1, 3),))]]
+    ar, auto = combine_rounds(rounds)
+    assert ar["tokens_per_s"] == 12.0 and auto["tokens_per_s"] == 18.0
+    assert auto["round_tokens_per_s"] == [15.0, 24.0, 18.0]
+    assert auto["speedup_vs_ar"] == 1.5                # ratios 1.5, 1.2, 1.5: their median
+    assert auto["greedy_match"] == 1.0 and auto["greedy_reference"] == "ar"
+    assert ar["same_outputs_every_round"] and not auto["same_outputs_every_round"]
