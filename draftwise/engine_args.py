@@ -17,22 +17,31 @@ from dataclasses import MISSING, dataclass, field, fields
 from draftwise.config import EngineConfig, SpeculativeConfig, parse_bytes
 from draftwise.models.loader import DEFAULT_MODEL
 from draftwise.models.loader import native_quantization
+from draftwise.models.packaged import installed_draft_model, packaged_model
 
-# The default ("auto") is the configuration that measured fastest on the default model
-# (`draftwise bench`, MT-bench and the code-edits workload; docs/benchmarks.md): suffix decoding,
-# chain drafts of variable length. The shipped EAGLE-3 head with suffix beside it measured slower
-# on this CPU than suffix alone (its drafting step costs more than its acceptance saves), so a model
-# drafter is opt-in until one measures faster. The adaptive policy is off by default: it sizes one
-# draft length for every step, which fits model drafters but not suffix decoding's variable-length
-# drafts. Seeded sampled requests are decoded without drafts, so seeds stay reproducible across
-# batches.
+# The default ("auto") is the configuration that measured fastest (`draftwise bench`, MT-bench and
+# the code-edits workload; docs/benchmarks.md): suffix decoding, chain drafts of variable length -
+# and where the target is a packaged model whose smaller sibling is installed (Qwen2.5-Coder-1.5B
+# and -0.5B), that draft model beside it, re-quantized to a cheap type: each step the cost-aware
+# hybrid (spec_decode/hybrid.py) verifies suffix decoding's draft where it pays more than the
+# draft model's chain, and the draft model's chain, at the length that pays, where suffix decoding
+# finds little (new text). The shipped EAGLE-3 head with suffix beside it measured slower on the
+# default model than suffix alone (its drafting step costs more than its acceptance saves), so it
+# stays opt-in. The adaptive policy is off: it sizes one draft length for every step, which fits
+# model drafters but not suffix decoding's variable-length drafts. Seeded sampled requests are
+# decoded without drafts, so seeds stay reproducible across batches.
 DEFAULT_TRAINING_FREE = {"method": "suffix", "draft_seeded_sampling": False}
+DRAFT_MODEL_CHAIN = 4      # the draft model's longest chain (the hybrid picks 1..4 each step)
 
 
 def default_speculative_config(model: str) -> dict:
-    """The "auto" speculative configuration for `model` (any model: suffix decoding needs no
-    drafter weights)."""
-    return dict(DEFAULT_TRAINING_FREE)
+    """The "auto" speculative configuration for `model`: suffix decoding, with the target's packaged
+    draft model beside it where one is installed."""
+    draft = installed_draft_model(model)
+    if draft is None:
+        return dict(DEFAULT_TRAINING_FREE)
+    return {"method": "draft_model", "model": draft.name, "quantization": packaged_model(model).draft_quantization,
+            "num_speculative_tokens": DRAFT_MODEL_CHAIN, "hybrid": "suffix", "draft_seeded_sampling": False}
 
 
 def resolve_quantization(model: str, quantization: str | None) -> str | None:

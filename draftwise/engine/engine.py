@@ -18,6 +18,7 @@ from draftwise.outputs import CompletionOutput, RequestOutput, SpecDecodingStats
 from draftwise.sampling_params import SamplingLimits, SamplingParams, validate
 from draftwise.spec_decode.allocation import DraftAllocator, StepCosts
 from draftwise.spec_decode.policy import SpeculationPolicy
+from draftwise.spec_decode.proposer import NextStep
 from draftwise.step import EngineFault, SchedulerOutput
 from draftwise.structured_output import GrammarCompiler, RequestGrammar
 from draftwise.worker.worker import Worker
@@ -285,13 +286,17 @@ class LLMEngine:
         if self.policy is not None and k == 0:
             return
         limit = None                         # requests to draft for at most (None: every one)
-        if allocator is not None and not self.scheduler.must_draft():
-            if not allocator.worth_drafting(*self.scheduler.next_step_shape()):
-                return
-            limit = allocator.explore_requests
+        next_step = None
+        if allocator is not None:
+            shape = self.scheduler.next_step_shape()
+            if not self.scheduler.must_draft():
+                if not allocator.worth_drafting(*shape):
+                    return
+                limit = allocator.explore_requests
+            next_step = NextStep(allocator, *shape)
         t_draft = time.perf_counter()
         try:
-            drafts = self.worker.propose(step, k, limit)
+            drafts = self.worker.propose(step, k, limit, next_step)
         except Exception:                    # noqa: BLE001 - drafts only ever save time
             logger.exception("the drafter failed; this step's requests decode without drafts")
             return

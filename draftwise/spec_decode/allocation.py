@@ -175,6 +175,16 @@ class AcceptanceCalibration:
             group[1] = group[1] * self.decay + 1.0
             group[2] = group[2] * self.decay + c
 
+    def chain(self, source: str, length: int) -> list[float]:
+        """What `source`'s `length`-node chain is expected to have accepted, node by node: the
+        product of its groups' conditional rates along the depths (0.95 per node before anything
+        of `source` was observed)."""
+        out, prev = [], 1.0
+        for d in range(length):
+            prev *= self._group_rate(source, _position_bucket(d), (NUM_BINS - 0.5) / NUM_BINS)
+            out.append(prev)
+        return out
+
     def mean_chain(self, length: int) -> list[float]:
         """What a drafter's `length`-node chain is expected to have accepted, node by node
         (non-increasing): the product of its groups' conditional rates along the depths, for the
@@ -182,10 +192,7 @@ class AcceptanceCalibration:
         new drafter is tried)."""
         best: list[float] = []
         for src in {s for (s, _) in self.groups} or {None}:
-            out, prev = [], 1.0
-            for d in range(length):
-                prev *= self._group_rate(src, _position_bucket(d), (NUM_BINS - 0.5) / NUM_BINS)
-                out.append(prev)
+            out = self.chain(src, length)
             if sum(out) > sum(best):
                 best = out
         return best
@@ -224,21 +231,28 @@ def allocate(accept: list[list[float]], fixed_tokens: int, sampled: float, cost)
             tokens the step emits without them (one per sampling request); cost(T): seconds of a
             step of T tokens.
     Returns k_i per request (a prefix length of its draft)."""
+    return best_allocation(accept, fixed_tokens, sampled, cost)[0]
+
+
+def best_allocation(accept: list[list[float]], fixed_tokens: int, sampled: float, cost,
+                    extra_seconds: float = 0.0) -> tuple[list[int], float]:
+    """`allocate`'s draft lengths and the expected emitted tokens per second they give, the step
+    costing `extra_seconds` more than `cost` says (the drafting that made these drafts)."""
     nodes = sorted(((p, j, i) for i, row in enumerate(accept) for j, p in enumerate(row)),
                    key=lambda x: (-x[0], x[1], x[2]))
-    best_n, best_rate = 0, sampled / cost(fixed_tokens) if fixed_tokens else 0.0
+    best_n, best_rate = 0, sampled / (cost(fixed_tokens) + extra_seconds) if fixed_tokens else 0.0
     expected = float(sampled)
     for n, (p, _, _) in enumerate(nodes, start=1):
         if p <= 0:
             break
         expected += p
-        rate = expected / cost(fixed_tokens + n)
+        rate = expected / (cost(fixed_tokens + n) + extra_seconds)
         if rate > best_rate:
             best_n, best_rate = n, rate
     lengths = [0] * len(accept)
     for _, j, i in nodes[:best_n]:
         lengths[i] = max(lengths[i], j + 1)
-    return lengths
+    return lengths, best_rate
 
 
 class DraftAllocator:
@@ -298,6 +312,13 @@ class DraftAllocator:
         self._skips_in_row = 0 if worth else self._skips_in_row + 1
         self.skipped += not worth
         return worth
+
+    def step_rate(self, accept: list[list[float]], fixed_tokens: int, sampled: int, decode_tokens: int | None,
+                  extra_seconds: float) -> float:
+        """Expected emitted tokens per second of the next step if its drafts, with calibrated node
+        acceptance `accept`, cost `extra_seconds` of drafting and are cut as `choose` cuts them."""
+        sampled = self._credited(fixed_tokens, sampled, decode_tokens)
+        return best_allocation(accept, fixed_tokens, sampled, self.costs, extra_seconds)[1]
 
     def observe_drafting(self, seconds: float) -> None:
         self.draft_seconds += 0.1 * (seconds - self.draft_seconds)

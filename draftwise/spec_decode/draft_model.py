@@ -7,6 +7,8 @@ target's token there. Rolling back rejected drafts needs no copy: the proposer r
 how many leading positions of its cache are right (`synced`), and each step feeds the draft model
 the positions from there on - the tokens the target kept, then the newest token (the root of the
 next draft, at its own position). Rejected draft entries beyond `synced` are simply overwritten.
+A chain's own tokens that the target keeps are not fed again: their entries, written by the chain
+passes, already hold them (the tokens are compared with the request's before they are trusted).
 Steps the engine runs without drafting, chunked prompts and prefix-cache hits are caught up the same
 way (the draft model's cache entries of a shared block are not trusted: a request starts from 0),
 and a preempted request starts again from 0.
@@ -21,6 +23,7 @@ model's path probability (the product of its top-1 probabilities), which the dra
 calibrates per source and depth."""
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +31,7 @@ import torch
 from draftwise.kernels import row_argmax
 from draftwise.layers.attention import CAUSAL, AttentionMetadata, slots_for_positions
 from draftwise.spec_decode.draft import Draft
+from draftwise.spec_decode.drafting_seconds import DraftingSeconds
 from draftwise.spec_decode.proposer import Proposer, ProposerInput
 from draftwise.spec_decode.tree import draft_trees
 
@@ -56,6 +60,9 @@ class DraftModelProposer(Proposer):
         self.depth = depth or num_speculative_tokens
         self.max_rows = max(1, max_rows_per_pass)
         self._synced: dict[str, tuple[int, int]] = {}    # request id -> (num_preemptions, synced)
+        self.pass_seconds = DraftingSeconds()            # a one-row-per-request pass, by requests
+        # request id -> (position, chain tokens the last chain draft fed from there on)
+        self._chain_fed: dict[str, tuple[int, list[int]]] = {}
         if topk > 1:      # tree verification writes 1 + K nodes; tree drafting (depth-1)*topk past the root
             self.num_lookahead_tokens = max(self.k + 1, topk * self.depth + 1)
         else:
@@ -79,6 +86,17 @@ class DraftModelProposer(Proposer):
 
     def on_request_finished(self, request) -> None:
         self._synced.pop(request.request_id, None)
+        self._chain_fed.pop(request.request_id, None)
+
+    def drafting_seconds(self, num_requests: int, num_spec_tokens: int) -> float | None:
+        """Seconds of drafting `num_spec_tokens`-token chains for `num_requests` requests: a
+        one-row pass each, as measured (None until one was). A request's catch-up rows (the
+        tokens it was verified on since it last drafted) are left out: every token the target
+        keeps is fed to the draft model once, whichever drafter drafted it, so they are paid
+        whichever drafter this step chooses."""
+        if not self.pass_seconds.means:
+            return None
+        return num_spec_tokens * self.pass_seconds.mean(num_requests)
 
     # ------------------------------------------------------------------------------------------
     def _segments(self, inp: ProposerInput) -> list[_Segment]:
@@ -93,8 +111,11 @@ class DraftModelProposer(Proposer):
             seq = inp.seq_lens[i]
             first = seq - inp.query_lens[i]          # position of this step's first valid row
             pre, synced = self._synced.get(req.request_id, (req.num_preemptions, 0))
+            fed_at, fed = self._chain_fed.pop(req.request_id, (-1, ()))
             if pre != req.num_preemptions:
                 synced = 0
+            elif fed_at == synced:
+                synced = _matching_prefix_end(req.all_token_ids, synced, fed, seq)
             synced = min(synced, seq)
             if synced < first:
                 tokens = list(req.all_token_ids[synced:first]) + step_tokens[offsets[i]:offsets[i + 1]]
@@ -173,10 +194,12 @@ class DraftModelProposer(Proposer):
             if not bool(alive.any()):
                 break
             length += alive
+            t0 = time.perf_counter()
             slots = slots_for_positions(bt, ar, pos, block_size)
             meta = AttentionMetadata(slots, [1] * n, (pos + 1).tolist(), bt, block_size, CAUSAL,
                                      row_invariant=self.row_invariant).finalize()
             tok, prob = _top1(self.logits_step(self.layer_step(tok, pos, None, meta, kv_cache)))
+            self.pass_seconds.observe(n, time.perf_counter() - t0)
             drafts.append(tok)
             path.append(path[-1] * prob)
             alive &= prob >= self.confidence_threshold
@@ -185,7 +208,21 @@ class DraftModelProposer(Proposer):
         p = torch.stack(path, 1).tolist()
         for j, (i, m) in enumerate(zip(want, length.tolist())):
             out[i] = Draft.chain(d[j][:m], self.method, p[j][:m])
+            # the chain passes wrote entries for every draft token but the last, from the
+            # position after the root on: those the target keeps need not be fed again
+            self._chain_fed[inp.requests[i].request_id] = (inp.seq_lens[i] + 1, d[j][:len(drafts) - 1])
         return out
+
+
+def _matching_prefix_end(tokens, start: int, fed, limit: int) -> int:
+    """The first position from `start` on (at most `limit`) where the request's tokens leave the
+    chain tokens `fed` there: the draft model's entries before it hold the request's own tokens."""
+    end = start
+    for t in fed:
+        if end >= limit or end >= len(tokens) or int(tokens[end]) != int(t):
+            break
+        end += 1
+    return end
 
 
 def _top1(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -9,6 +9,16 @@ from draftwise.spec_decode.draft import Draft
 
 
 @dataclass
+class NextStep:
+    """What a step's drafts are weighed against: the scheduler's draft allocator (it cuts them
+    to the lengths that pay) and the next step's shape besides drafts."""
+    allocator: object                     # spec_decode/allocation.py DraftAllocator
+    fixed_tokens: int                     # the step's tokens besides drafts
+    sampled: int                          # requests that sample a token in it
+    decode_tokens: int                    # its decode rows (the rest of fixed_tokens is prefill)
+
+
+@dataclass
 class ProposerInput:
     """What the target step leaves for the drafter. Rows are the *valid* rows of the step (the
     tokens fed, minus rejected drafts), grouped per request in batch order."""
@@ -22,6 +32,7 @@ class ProposerInput:
     want_draft: list[bool]                # requests to draft for (others only update drafter state)
     requests: list                        # the Request objects (token history for n-gram)
     new_tokens: list[list[int]]           # tokens appended to each request by this step
+    next_step: NextStep | None = None     # None: no draft allocation (drafts verified whole)
 
 
 class Proposer:

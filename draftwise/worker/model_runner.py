@@ -15,7 +15,7 @@ from draftwise.sample.rejection_sampler import greedy_rejection_sample, rejectio
 from draftwise.sample.sampler import SamplingMetadata
 from draftwise.spec_decode.draft import Draft
 from draftwise.spec_decode.metadata import SpecDecodeMetadata
-from draftwise.spec_decode.proposer import Proposer, ProposerInput
+from draftwise.spec_decode.proposer import NextStep, Proposer, ProposerInput
 from draftwise.step import ModelRunnerOutput, SchedulerOutput
 from draftwise.worker.kv_cache import KVCache
 from draftwise.outputs import TokenLogprob
@@ -336,8 +336,8 @@ class ModelRunner:
         return spec.draft_seeded_sampling or params.seed is None or params.greedy
 
     @torch.inference_mode()
-    def propose(self, step: ModelRunnerOutput, num_spec_tokens: int,
-                max_requests: int | None = None) -> list[Draft | None]:
+    def propose(self, step: ModelRunnerOutput, num_spec_tokens: int, max_requests: int | None = None,
+                next_step: NextStep | None = None) -> list[Draft | None]:
         """Drafts for every scheduled request (None where none is wanted); with `max_requests`,
         for that many of them at most (the others only update the drafter's state), taken in
         turn from step to step."""
@@ -381,7 +381,7 @@ class ModelRunner:
             aux_hidden_states=step.aux_hidden_states[row_t] if step.aux_hidden_states is not None else None,
             query_lens=qlens, next_token_ids=torch.tensor(next_ids, dtype=torch.long, device=self.device),
             seq_lens=seq_lens, block_tables=step.block_tables, want_draft=want,
-            requests=[s.request for s in scheds], new_tokens=step.new_token_ids)
+            requests=[s.request for s in scheds], new_tokens=step.new_token_ids, next_step=next_step)
         drafts = self.proposer.propose(inp, self.kv_cache, self.block_size, num_spec_tokens)
         # variable-length drafters may propose past the position limit: keep what fits (a tree's
         # first nodes are a valid tree)

@@ -41,7 +41,7 @@ from draftwise.models.gguf_weights import GGUFBlocks
 from draftwise.models.loader import (gguf_path_for, load_target_model, load_tokenizer, read_config_json,
                                      resolve_model_dir)
 from draftwise.spec_decode.factory import build_proposer
-from draftwise.spec_decode.proposer import Proposer
+from draftwise.spec_decode.proposer import NextStep, Proposer
 from draftwise.step import ModelRunnerOutput, SchedulerOutput
 from draftwise.worker.model_runner import ModelRunner, StepInputs, StepTimer
 from draftwise.worker.tensor_parallel import TensorParallelRunner, TPDriver, threads_per_rank
@@ -107,10 +107,11 @@ class Worker:
     def run(self, inputs: StepInputs) -> ModelRunnerOutput:
         return self.runner.run(inputs)
 
-    def propose(self, step: ModelRunnerOutput, num_tokens: int, max_requests: int | None = None):
+    def propose(self, step: ModelRunnerOutput, num_tokens: int, max_requests: int | None = None,
+                next_step: NextStep | None = None):
         """Drafts for the next step, one per scheduled request (None where it gets none); with
-        `max_requests`, for at most that many of them."""
-        return self.runner.propose(step, num_tokens, max_requests)
+        `max_requests`, for at most that many of them; `next_step`: what they are weighed against."""
+        return self.runner.propose(step, num_tokens, max_requests, next_step)
 
     def on_request_finished(self, request) -> None:
         if self.proposer is not None:

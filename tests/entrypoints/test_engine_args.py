@@ -40,6 +40,22 @@ def test_speculative_config_spellings():
         EngineArgs(speculative_config="{method").speculative()
 
 
+def test_auto_drafts_with_the_installed_sibling_of_a_packaged_target(monkeypatch):
+    """"auto" is suffix decoding, with the packaged smaller model of the target's family beside it
+    only where that model's packages are installed."""
+    import draftwise.models.packaged as packaged
+    installed = set()
+    monkeypatch.setattr(packaged, "is_installed", lambda name: name in installed)
+    assert EngineArgs(model="qwen2.5-coder-1.5b").speculative().method == "suffix"
+    installed.add("qwen2.5-coder-0.5b")
+    spec = EngineArgs(model="qwen2.5-coder-1.5b").speculative()
+    assert (spec.method, spec.model, spec.hybrid, spec.quantization) == ("draft_model", "qwen2.5-coder-0.5b",
+                                                                        "suffix", "Q4_0")
+    assert EngineArgs(model="Qwen/Qwen2.5-Coder-1.5B-Instruct").speculative().method == "draft_model"
+    for other in ("smollm2-135m", "qwen2.5-coder-0.5b", "/models/any.gguf"):
+        assert EngineArgs(model=other).speculative().method == "suffix", other
+
+
 def test_eager_is_the_default_everywhere():
     assert EngineArgs().create_engine_config().enforce_eager is True
     assert _parse(["generate", "--compile"]).enforce_eager is False

@@ -80,11 +80,11 @@ def test_steps_without_drafting_are_caught_up(models, reference, monkeypatch):
     from draftwise.worker.model_runner import ModelRunner
     orig, calls = ModelRunner.propose, []
 
-    def every_third(self, step, k, max_requests=None):
+    def every_third(self, step, k, max_requests=None, next_step=None):
         calls.append(1)
         if len(calls) % 3:
             return [None] * len(step.sched.scheduled)
-        return orig(self, step, k, max_requests)
+        return orig(self, step, k, max_requests, next_step)
 
     monkeypatch.setattr(ModelRunner, "propose", every_third)
     llm, outs = _run(target, _spec(target))
@@ -142,6 +142,38 @@ def test_draft_model_beside_suffix_decoding(models, reference):
     llm, outs = _run(target, _spec(other, hybrid="suffix", suffix_decoding_min_token_prob=0.0))
     assert outs == reference
     assert llm.get_metrics()["spec_decode"]["num_drafts"] > 0
+
+
+def test_accepted_chain_tokens_are_not_fed_again(models, reference, monkeypatch):
+    """The chain passes already wrote the entries of the draft tokens the target keeps: with every
+    draft accepted, a step feeds the draft model only the chain's last token and the new root,
+    not the whole accepted chain again - and its drafts stay exact."""
+    from draftwise.spec_decode.draft_model import DraftModelProposer
+    target, _ = models
+    orig, fed = DraftModelProposer._segments, []
+
+    def recording(self, inp):
+        segs = orig(self, inp)
+        fed.extend(len(s.tokens) for s in segs if s.start > 0)
+        return segs
+
+    monkeypatch.setattr(DraftModelProposer, "_segments", recording)
+    llm, outs = _run(target, _spec(target))
+    assert outs == reference
+    m = llm.get_metrics()["spec_decode"]
+    assert m["num_accepted_tokens"] == m["num_draft_tokens"] > 50
+    assert fed and max(fed) == 2
+
+
+def test_the_cost_aware_hybrid_is_lossless_and_drafts_with_both(models, reference):
+    """With the draft allocation on, the hybrid weighs suffix decoding's draft against the draft
+    model's chain per request and step: outputs stay the target's, and both drafters draft."""
+    target, _ = models
+    llm, outs = _run(target, _spec(target, hybrid="suffix", allocate_drafts=True,
+                                   suffix_decoding_min_token_prob=0.0))
+    assert outs == reference
+    by_source = llm.get_metrics()["spec_decode_by_source"]
+    assert by_source["draft_model"]["num_drafts"] > 0 and by_source["suffix"]["num_drafts"] > 0
 
 
 def test_chains_end_after_a_doubtful_token(models, reference, monkeypatch):
