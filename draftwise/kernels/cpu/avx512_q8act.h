@@ -16,6 +16,11 @@ namespace draftwise {
 namespace q8act512 {
 
 constexpr int MT_MAX = 8;      // rows per register tile (3 zmm each)
+// how far ahead the codes are prefetched: 8 KB. A tile of 8 rows spends ~8 cycles per 64-byte step,
+// so common.h's 2 KB arrive only ~250 cycles ahead, short of DRAM's latency, and the tile waits on
+// memory and arithmetic in turn; at 8 KB one linear at 4-8 rows ran 15-25 % faster and one row no
+// slower (SmolLM2's shapes, 1 thread, Zen 5)
+constexpr int CODE_PREFETCH_BYTES = 8192;
 
 // a column block's 16 scales / minimums of group g, from each scale policy
 AVX512VNNI inline __m512 scales16(const float* p) { return _mm512_loadu_ps(p); }
@@ -58,60 +63,94 @@ AVX512VNNI inline void load_step(const uint8_t* p, __m512i& a, __m512i& b) {
   }
 }
 
-// rows r0 .. r0 + MT - 1 of one column block (its codes `pk`, its scales `sc`); OG = group / 8 octets
-// per group, a compile-time constant so a group's dot products are straight-line code and every
-// row's two chains stay in registers. The first chain starts at minus the group's offset term
-// (exact integers: the same sum as subtracting it at the end)
+// The activations of each register tile of MT_MAX rows interleaved row by row (as llama.cpp's
+// q8_0x4 / q8_Kx8 repacked activations): an octet's two int32 words of the tile's rows side by
+// side, and likewise each group's offset term and input sum and each block's scale. One pointer per
+// array then serves every row of the tile with constant displacements; eight row pointers per
+// array would not fit the general registers, and their reloads cost the 8-row tile ~40 % of its
+// throughput. Rows past M in the last tile are zero and never read.
+struct TiledActivations {
+  int tiles = 0, octets = 0, G = 0, blocks = 0;
+  std::vector<int32_t> q;      // [tiles][octets][MT_MAX][2]
+  std::vector<int32_t> corr;   // [tiles][G][MT_MAX]
+  std::vector<float> d;        // [tiles][blocks][MT_MAX]
+  std::vector<float> xs;       // [tiles][G][MT_MAX]
+
+  void fill(const q8act::Activations& act) {
+    tiles = (act.M + MT_MAX - 1) / MT_MAX;
+    octets = act.K / q8act::OCTET;
+    G = act.G;
+    blocks = act.K / q8act::QBLOCK;
+    q.assign(static_cast<size_t>(tiles) * octets * MT_MAX * 2, 0);
+    corr.assign(static_cast<size_t>(tiles) * G * MT_MAX, 0);
+    d.assign(static_cast<size_t>(tiles) * blocks * MT_MAX, 0.0f);
+    xs.assign(static_cast<size_t>(tiles) * G * MT_MAX, 0.0f);
+    for (int r = 0; r < act.M; ++r) {
+      const int t = r / MT_MAX, rr = r % MT_MAX;
+      const int32_t* w = reinterpret_cast<const int32_t*>(act.row(r));
+      int32_t* tq = q.data() + static_cast<int64_t>(t) * octets * MT_MAX * 2 + rr * 2;
+      for (int o = 0; o < octets; ++o) {
+        tq[o * MT_MAX * 2] = w[2 * o];
+        tq[o * MT_MAX * 2 + 1] = w[2 * o + 1];
+      }
+      for (int g = 0; g < G; ++g) {
+        corr[(static_cast<int64_t>(t) * G + g) * MT_MAX + rr] = act.corr[static_cast<int64_t>(r) * G + g];
+        xs[(static_cast<int64_t>(t) * G + g) * MT_MAX + rr] = act.xs[static_cast<int64_t>(r) * G + g];
+      }
+      for (int b = 0; b < blocks; ++b)
+        d[(static_cast<int64_t>(t) * blocks + b) * MT_MAX + rr] = act.d[static_cast<int64_t>(r) * blocks + b];
+    }
+  }
+};
+
+// rows of register tile `t` (its first MT) of one column block (its codes `pk`, its scales `sc`);
+// OG = group / 8 octets per group, a compile-time constant so a group's dot products are
+// straight-line code and every row's two chains stay in registers. The first chain starts at
+// minus the group's offset term (exact integers: the same sum as subtracting it at the end)
 template <int BITS, int MT, int OG, typename S>
-AVX512VNNI void rows(const q8act::Activations& act, int r0, const uint8_t* pk, const S& sc, float* y, int64_t N) {
-  const int K = act.K, G = act.G;
+AVX512VNNI void rows(const TiledActivations& ta, int t, const uint8_t* pk, const S& sc, float* y, int64_t N) {
+  const int G = ta.G;
   constexpr int group = OG * q8act::OCTET;
   constexpr int64_t sb = q8act::step_bytes(BITS);
   __m512 acc[MT];
 #pragma GCC unroll 8
   for (int r = 0; r < MT; ++r) acc[r] = _mm512_setzero_ps();
-  const int32_t* xq[MT];
-  const int32_t* corr[MT];
-  const float* xd[MT];
-  const float* xs[MT];
-#pragma GCC unroll 8
-  for (int r = 0; r < MT; ++r) {
-    xq[r] = reinterpret_cast<const int32_t*>(act.row(r0 + r));
-    corr[r] = act.corr.data() + static_cast<int64_t>(r0 + r) * G;
-    xd[r] = act.d.data() + static_cast<int64_t>(r0 + r) * (K / q8act::QBLOCK);
-    xs[r] = act.xs.data() + static_cast<int64_t>(r0 + r) * G;
-  }
+  const int32_t* xq = ta.q.data() + static_cast<int64_t>(t) * ta.octets * MT_MAX * 2;
+  const int32_t* corr = ta.corr.data() + static_cast<int64_t>(t) * G * MT_MAX;
+  const float* xd = ta.d.data() + static_cast<int64_t>(t) * ta.blocks * MT_MAX;
+  const float* xs = ta.xs.data() + static_cast<int64_t>(t) * G * MT_MAX;
   for (int g = 0; g < G; ++g) {
     __m512i ia[MT], ib[MT];
 #pragma GCC unroll 8
     for (int r = 0; r < MT; ++r) {
-      ia[r] = _mm512_set1_epi32(-corr[r][g]);
+      ia[r] = _mm512_set1_epi32(-corr[g * MT_MAX + r]);
       ib[r] = _mm512_setzero_si512();
     }
     const uint8_t* pg = pk + static_cast<int64_t>(g) * OG * sb;
+    const int32_t* xg = xq + static_cast<int64_t>(g) * OG * MT_MAX * 2;
 #pragma GCC unroll 4
     for (int o = 0; o < OG; ++o) {
-      const int oct = g * OG + o;
-      _mm_prefetch(reinterpret_cast<const char*>(pg + o * sb + PREFETCH_BYTES), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(pg + o * sb + CODE_PREFETCH_BYTES), _MM_HINT_T0);
       __m512i a, b;
       load_step<BITS>(pg + o * sb, a, b);
+      const int32_t* xo = xg + o * MT_MAX * 2;
 #pragma GCC unroll 8
       for (int r = 0; r < MT; ++r) {
-        ia[r] = _mm512_dpbusd_epi32(ia[r], a, _mm512_set1_epi32(xq[r][2 * oct]));
-        ib[r] = _mm512_dpbusd_epi32(ib[r], b, _mm512_set1_epi32(xq[r][2 * oct + 1]));
+        ia[r] = _mm512_dpbusd_epi32(ia[r], a, _mm512_set1_epi32(xo[2 * r]));
+        ib[r] = _mm512_dpbusd_epi32(ib[r], b, _mm512_set1_epi32(xo[2 * r + 1]));
       }
     }
     const __m512 s = scale16(sc, g);
     const int db = g * group / q8act::QBLOCK;
 #pragma GCC unroll 8
     for (int r = 0; r < MT; ++r) {
-      const __m512 sd = _mm512_mul_ps(s, _mm512_set1_ps(xd[r][db]));
+      const __m512 sd = _mm512_mul_ps(s, _mm512_set1_ps(xd[db * MT_MAX + r]));
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(ia[r], ib[r])), sd, acc[r]);
     }
     if (sc.has_min()) {
       const __m512 m = min16(sc, g);
 #pragma GCC unroll 8
-      for (int r = 0; r < MT; ++r) acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xs[r][g]), acc[r]);
+      for (int r = 0; r < MT; ++r) acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xs[g * MT_MAX + r]), acc[r]);
     }
   }
 #pragma GCC unroll 8
@@ -119,10 +158,10 @@ AVX512VNNI void rows(const q8act::Activations& act, int r0, const uint8_t* pk, c
 }
 
 template <int BITS, int OG, typename S>
-AVX512VNNI void rows_og(int mt, const q8act::Activations& act, int r0, const uint8_t* pk, const S& sc, float* y,
+AVX512VNNI void rows_og(int mt, const TiledActivations& ta, int t, const uint8_t* pk, const S& sc, float* y,
                         int64_t N) {
   switch (mt) {
-#define CASE(n) case n: rows<BITS, n, OG, S>(act, r0, pk, sc, y, N); break;
+#define CASE(n) case n: rows<BITS, n, OG, S>(ta, t, pk, sc, y, N); break;
     CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8)
 #undef CASE
     default: break;
@@ -130,25 +169,31 @@ AVX512VNNI void rows_og(int mt, const q8act::Activations& act, int r0, const uin
 }
 
 template <int BITS, typename S>
-AVX512VNNI void rows_any(int mt, const q8act::Activations& act, int r0, const uint8_t* pk, const S& sc, float* y,
-                         int64_t N) {
-  if (act.group == 16) rows_og<BITS, 2, S>(mt, act, r0, pk, sc, y, N);
-  else rows_og<BITS, 4, S>(mt, act, r0, pk, sc, y, N);
+AVX512VNNI void rows_any(int mt, int group, const TiledActivations& ta, int t, const uint8_t* pk, const S& sc,
+                         float* y, int64_t N) {
+  if (group == 16) rows_og<BITS, 2, S>(mt, ta, t, pk, sc, y, N);
+  else rows_og<BITS, 4, S>(mt, ta, t, pk, sc, y, N);
 }
 
 // every column block, in parallel; within a thread's share, rows in chunks whose activations stay
 // in cache, each chunk in register tiles of up to MT_MAX rows
 template <int BITS, typename S>
 void column_blocks(const q8act::Activations& act, const uint8_t* codes, const S& scales, int64_t blocks, float* y) {
+  static_assert(q8act::ROW_CHUNK % MT_MAX == 0, "row chunks are whole register tiles");
   const int M = act.M;
   const int64_t N = blocks * NB, block_bytes = static_cast<int64_t>(act.K / q8act::OCTET) * q8act::step_bytes(BITS);
+  // reused per calling thread (a step calls the linears hundreds of times); the workers below read
+  // the caller's copy through this reference
+  thread_local TiledActivations tiled;
+  const TiledActivations& ta = tiled;
+  tiled.fill(act);
   at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
     for (int c0 = 0; c0 < M; c0 += q8act::ROW_CHUNK) {
       const int c1 = std::min(M, c0 + q8act::ROW_CHUNK);
       for (int64_t b = b0; b < b1; ++b) {
         const S sc = scales.at(b);
         for (int r = c0; r < c1; r += MT_MAX)
-          rows_any<BITS, S>(std::min(MT_MAX, c1 - r), act, r, codes + b * block_bytes, sc,
+          rows_any<BITS, S>(std::min(MT_MAX, c1 - r), act.group, ta, r / MT_MAX, codes + b * block_bytes, sc,
                             y + static_cast<int64_t>(r) * N + b * NB, N);
       }
     }
