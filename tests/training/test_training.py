@@ -35,6 +35,12 @@ def test_sharegpt_reader_survives_truncation(tmp_path):
     assert len(recs) == 4 and recs[0]["id"] == "r0"
 
 
+def test_a_missing_sharegpt_file_is_a_clear_error(tmp_path):
+    import pytest
+    with pytest.raises(ValueError, match="is not a file"):
+        next(iter_sharegpt(str(tmp_path / "missing.json")))
+
+
 def test_render_masks_only_assistant_tokens(tmp_path):
     from tests.tokenizer_util import add_tiny_tokenizer
     d = str(tmp_path / "m")
