@@ -92,8 +92,8 @@ class DraftModelProposer(Proposer):
         """Seconds of drafting `num_spec_tokens`-token chains for `num_requests` requests: a
         one-row pass each, as measured (None until one was). A request's catch-up rows (the
         tokens it was verified on since it last drafted) are left out: every token the target
-        keeps is fed to the draft model once, whichever drafter drafted it, so they are paid
-        whichever drafter this step chooses."""
+        keeps is fed to the draft model at most once, whichever drafter drafted it, so they are
+        paid - at a fraction of a pass per row - whichever drafter this step chooses."""
         if not self.pass_seconds.means:
             return None
         return num_spec_tokens * self.pass_seconds.mean(num_requests)

@@ -34,4 +34,4 @@ class DraftingSeconds:
 
     def marginal(self, m: int) -> float:
         """What a call for m requests takes over one for none (0 until measured)."""
-        return max(0.0, self.mean(m) - self.means.get(0, 0.0)) if any(b > 0 for b in self.means) else 0.0
+        return max(0.0, self.mean(m) - self.means.get(0, 0.0))
