@@ -224,10 +224,11 @@ def main(argv=None) -> int:
         from draftwise.bench.step_cost import main as step_cost_main
         step_cost_main(argv[2:])
         return 0
-    if argv[:2] == ["bench", "quality"]:       # perplexity beside llama.cpp on one GGUF file
+    if argv[:2] in (["bench", "quality"], ["bench", "build-peer"]):   # perplexity beside llama.cpp; its build
+        from draftwise.bench.build_peer import main as build_peer_main
         from draftwise.bench.quality import main as quality_main
         try:
-            quality_main(argv[2:])
+            (quality_main if argv[1] == "quality" else build_peer_main)(argv[2:])
         except ValueError as e:
             print(f"draftwise: error: {e}", file=sys.stderr)
             return 2
