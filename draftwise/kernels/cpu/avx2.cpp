@@ -175,33 +175,119 @@ inline __m256 lanes_below(int n) {
   return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
 }
 
-// one query row, one KV head, its G query heads: out[g] = softmax(scale q_g . K^T) V over `len` keys;
-// scores: G x stride floats (stride = len rounded up to 8)
+// n cache rows of one KV head widened to fp32, row after row, D = 8 DV values each
 template <typename T, int DV>
-void attend_one(const float* q, const T* kc, const T* vc, const int64_t* slots, int64_t len, int G,
-                int64_t slot_stride, float scale, float* out, float* scores) {
+inline void widen_rows(const T* c, const int64_t* slots, int n, int64_t slot_stride, float* dst) {
+  for (int j = 0; j < n; ++j) {
+    const T* src = c + slots[j] * slot_stride;
+    for (int v = 0; v < DV; ++v) _mm256_storeu_ps(dst + j * DV * 8 + v * 8, load8(src + v * 8));
+  }
+}
+
+// one key's 8 lane partials of q . k: lane l sums q[8c + l] k[8c + l] over the chunks c in order
+template <int DV>
+inline __m256 dot_chunks(const float* q, const float* k) {
+  __m256 a = _mm256_mul_ps(_mm256_loadu_ps(q), _mm256_loadu_ps(k));
+  for (int c = 1; c < DV; ++c) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + c * 8), _mm256_loadu_ps(k + c * 8), a);
+  return a;
+}
+
+// where the value rows of a block are: widened to fp32 in a scratch block (row i of the block), or
+// read from the cache as they are (key jj's slot) when a single pass of pairs reads each row once
+template <typename VT>
+struct ValueRows {
+  const VT* base;
+  const int64_t* slots;      // null: the scratch block
+  int64_t row_stride;
+  const VT* row(int64_t i, int64_t jj) const { return slots ? base + slots[jj] * row_stride : base + i * row_stride; }
+};
+
+// H pairs' value sums over keys [j0, j1), columns [8 c0, 8 (c0 + CW)) (kv: those keys' values), in
+// key order, from and back to each pair's running sums in acc (zero at the first block); the keys
+// every pair reads together, H pairs per value load, then each pair's own last keys
+template <int D, int CW, int H, typename VT>
+void values_block(const AttnPair* pairs, const float* scores, int64_t stride, const ValueRows<VT>& kv, int c0,
+                  int64_t j0, int64_t j1, float* acc) {
+  __m256 o[H * CW];
+  int64_t common = j1;
+  for (int h = 0; h < H; ++h) {
+    common = std::min(common, pairs[h].len);
+    for (int c = 0; c < CW; ++c)
+      o[h * CW + c] = j0 == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(acc + h * D + (c0 + c) * 8);
+  }
+  for (int64_t jj = j0; jj < common; ++jj) {
+    const VT* vj = kv.row(jj - j0, jj) + c0 * 8;
+    __m256 v[CW];
+    for (int c = 0; c < CW; ++c) v[c] = load8(vj + c * 8);
+    for (int h = 0; h < H; ++h) {
+      const __m256 pj = _mm256_broadcast_ss(scores + h * stride + jj);
+      for (int c = 0; c < CW; ++c) o[h * CW + c] = _mm256_fmadd_ps(pj, v[c], o[h * CW + c]);
+    }
+  }
+  for (int h = 0; h < H; ++h) {
+    const int64_t end = std::min(j1, pairs[h].len);
+    for (int64_t jj = std::max(j0, common); jj < end; ++jj) {
+      const __m256 pj = _mm256_broadcast_ss(scores + h * stride + jj);
+      const VT* vj = kv.row(jj - j0, jj) + c0 * 8;
+      for (int c = 0; c < CW; ++c) o[h * CW + c] = _mm256_fmadd_ps(pj, load8(vj + c * 8), o[h * CW + c]);
+    }
+    for (int c = 0; c < CW; ++c) _mm256_storeu_ps(acc + h * D + (c0 + c) * 8, o[h * CW + c]);
+  }
+}
+
+template <int D, int CW, int HB, typename VT>
+void values_any(int h, const AttnPair* pairs, const float* scores, int64_t stride, const ValueRows<VT>& kv, int c0,
+                int64_t j0, int64_t j1, float* acc) {
+  if constexpr (HB > 1) {
+    if (h < HB) return values_any<D, CW, HB - 1, VT>(h, pairs, scores, stride, kv, c0, j0, j1, acc);
+  }
+  values_block<D, CW, HB, VT>(pairs, scores, stride, kv, c0, j0, j1, acc);
+}
+
+// every pair's value sums over keys [j0, j1): column chunks of CW vectors, HB pairs per value load
+template <int DV, typename VT>
+void values_pass(int P, const AttnPair* pairs, const float* scores, int64_t stride, const ValueRows<VT>& kv,
+                 int64_t j0, int64_t j1, float* acc) {
   constexpr int D = DV * 8, CW = DV < 8 ? DV : 8, HB = DV >= 8 ? 1 : 8 / DV;
-  const int64_t stride = (len + 7) / 8 * 8;
+  for (int c0 = 0; c0 < DV; c0 += CW)
+    for (int p0 = 0; p0 < P; p0 += HB)
+      values_any<D, CW, HB, VT>(std::min(HB, P - p0), pairs + p0, scores + p0 * stride, stride, kv, c0, j0, j1,
+                                acc + p0 * D);
+}
+
+// one tile (common.h): every pair p's out = softmax(scale q_p . K^T) V over its first len_p keys.
+// Per pair, as a tile of one pair would: scores 8 keys at a time (a product chain over the head's
+// 8-lane chunks, then sum8), their lane-wise maximum block by block, e^(s - max) and its sum in key
+// order, then the values summed in key order and one division. DV = D / 8.
+template <typename T, int DV>
+void attend_tile(const AttnPair* pairs, int P, int64_t max_len, const T* kc, const T* vc, const int64_t* slots,
+                 int64_t slot_stride, float scale, float* scores, int64_t stride, float* kv, float* acc_buf,
+                 float* mx_buf) {
+  constexpr int D = DV * 8, HB = DV >= 8 ? 1 : 8 / DV;
+  constexpr int VB = D >= 256 ? 16 : 4096 / D;            // values per block: 16 KB of fp32
   const __m256 scale_v = _mm256_set1_ps(scale);
-  float inv[64];
-  for (int g = 0; g < G; ++g) {
-    const float* qg = q + g * D;
-    float* sg = scores + g * stride;
-    __m256 mxv = _mm256_set1_ps(-INFINITY);
-    for (int64_t j0 = 0; j0 < len; j0 += 8) {
-      const int n = static_cast<int>(std::min<int64_t>(8, len - j0));
+  for (int p = 0; p < P; ++p) _mm256_storeu_ps(mx_buf + p * 8, _mm256_set1_ps(-INFINITY));
+  for (int64_t j0 = 0; j0 < max_len; j0 += 8) {
+    widen_rows<T, DV>(kc, slots + j0, static_cast<int>(std::min<int64_t>(8, max_len - j0)), slot_stride, kv);
+    for (int p = 0; p < P; ++p) {
+      if (pairs[p].len <= j0) continue;
+      const int n = static_cast<int>(std::min<int64_t>(8, pairs[p].len - j0));
       __m256 acc[8];
-      for (int j = 0; j < 8; ++j) {
-        if (j >= n) { acc[j] = _mm256_setzero_ps(); continue; }
-        const T* kj = kc + slots[j0 + j] * slot_stride;
-        __m256 a = _mm256_mul_ps(_mm256_loadu_ps(qg), load8(kj));
-        for (int c = 1; c < DV; ++c) a = _mm256_fmadd_ps(_mm256_loadu_ps(qg + c * 8), load8(kj + c * 8), a);
-        acc[j] = a;
+      if (n == 8) {
+        for (int j = 0; j < 8; ++j) acc[j] = dot_chunks<DV>(pairs[p].q, kv + j * D);
+      } else {
+        for (int j = 0; j < 8; ++j) acc[j] = j < n ? dot_chunks<DV>(pairs[p].q, kv + j * D) : _mm256_setzero_ps();
       }
       const __m256 sc = _mm256_mul_ps(sum8(acc), scale_v);
-      _mm256_storeu_ps(sg + j0, sc);                          // lanes past len land in the padding
-      mxv = _mm256_max_ps(mxv, _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), sc, lanes_below(n)));
+      _mm256_storeu_ps(scores + p * stride + j0, sc);         // lanes past len land in the padding
+      const __m256 mxv = _mm256_loadu_ps(mx_buf + p * 8);
+      _mm256_storeu_ps(mx_buf + p * 8, _mm256_max_ps(mxv, _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), sc, lanes_below(n))));
     }
+  }
+  for (int p = 0; p < P; ++p) {
+    float* sg = scores + p * stride;
+    const int64_t len = pairs[p].len;
+    const __m256 mxv = _mm256_loadu_ps(mx_buf + p * 8);
     __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mxv), _mm256_extractf128_ps(mxv, 1));
     m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
     m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
@@ -213,42 +299,39 @@ void attend_one(const float* q, const T* kc, const T* vc, const int64_t* slots, 
       _mm256_storeu_ps(sg + j, e);
       sumv = _mm256_add_ps(sumv, e);
     }
-    inv[g] = 1.0f / hsum8(sumv);
+    mx_buf[p] = 1.0f / hsum8(sumv);                      // the pair's 1 / sum (its maximum is spent)
   }
-  for (int g0 = 0; g0 < G; g0 += HB) {
-    const int hb = std::min(HB, G - g0);
-    for (int c0 = 0; c0 < DV; c0 += CW) {
-      __m256 o[HB * CW];
-      for (int i = 0; i < HB * CW; ++i) o[i] = _mm256_setzero_ps();
-      for (int64_t jj = 0; jj < len; ++jj) {
-        const T* vj = vc + slots[jj] * slot_stride + c0 * 8;
-        __m256 v[CW];
-        for (int c = 0; c < CW; ++c) v[c] = load8(vj + c * 8);
-        for (int h = 0; h < hb; ++h) {
-          const __m256 pj = _mm256_broadcast_ss(scores + (g0 + h) * stride + jj);
-          for (int c = 0; c < CW; ++c) o[h * CW + c] = _mm256_fmadd_ps(pj, v[c], o[h * CW + c]);
-        }
-      }
-      for (int h = 0; h < hb; ++h) {
-        const __m256 invv = _mm256_set1_ps(inv[g0 + h]);
-        for (int c = 0; c < CW; ++c)
-          _mm256_storeu_ps(out + (g0 + h) * D + (c0 + c) * 8, _mm256_mul_ps(o[h * CW + c], invv));
-      }
+  if (P <= HB) {                                         // one pass of the pairs: each value row read once
+    values_pass<DV, T>(P, pairs, scores, stride, ValueRows<T>{vc, slots, slot_stride}, 0, max_len, acc_buf);
+  } else {
+    for (int64_t j0 = 0; j0 < max_len; j0 += VB) {
+      const int64_t j1 = std::min<int64_t>(max_len, j0 + VB);
+      widen_rows<T, DV>(vc, slots + j0, static_cast<int>(j1 - j0), slot_stride, kv);
+      values_pass<DV, float>(P, pairs, scores, stride, ValueRows<float>{kv, nullptr, D}, j0, j1, acc_buf);
     }
+  }
+  for (int p = 0; p < P; ++p) {
+    const __m256 invv = _mm256_set1_ps(mx_buf[p]);
+    for (int c = 0; c < DV; ++c)
+      _mm256_storeu_ps(pairs[p].out + c * 8, _mm256_mul_ps(_mm256_loadu_ps(acc_buf + p * D + c * 8), invv));
   }
 }
 
 template <typename T>
-void attend_one_any(const float* q, const T* kc, const T* vc, const int64_t* slots, int64_t len, int G, int D,
-                    int64_t slot_stride, float scale, float* out, float* scores) {
+void attend_tile_any(int D, const AttnPair* pairs, int P, int64_t max_len, const T* kc, const T* vc,
+                     const int64_t* slots, int64_t slot_stride, float scale, float* scores, int64_t stride, float* kv,
+                     float* acc_buf, float* mx_buf) {
   switch (D / 8) {
-#define CASE(n) case n: attend_one<T, n>(q, kc, vc, slots, len, G, slot_stride, scale, out, scores); break;
+#define CASE(n) case n: attend_tile<T, n>(pairs, P, max_len, kc, vc, slots, slot_stride, scale, scores, stride, kv, \
+                                          acc_buf, mx_buf); break;
     CASE(2) CASE(4) CASE(8) CASE(16) CASE(32)
 #undef CASE
     default: TORCH_CHECK(false, "attend_rows: head_dim ", D, " is not supported");
   }
 }
 
+// q [T, H, D] fp32; caches [S, Hkv, D] fp32, bf16 or fp16 (widened to fp32, exact); out [T, H, D]
+// written for the listed rows; rows of one key list share tiles (common.h)
 template <typename T>
 void attend_rows_typed(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                        torch::Tensor& out, const std::vector<int64_t>& rows, const std::vector<int64_t>& lens,
@@ -256,7 +339,6 @@ void attend_rows_typed(const torch::Tensor& q, const torch::Tensor& k_cache, con
   const int H = q.size(1), D = q.size(2), Hkv = k_cache.size(1), G = H / Hkv;
   TORCH_CHECK((D == 16 || D == 32 || D == 64 || D == 128 || D == 256) && G <= 64 && k_cache.stride(0) == Hkv * D &&
               v_cache.stride(0) == Hkv * D, "layout");
-  const int64_t n = static_cast<int64_t>(rows.size());
   const float* qp = q.data_ptr<float>();
   const T* kp = k_cache.data_ptr<T>();
   const T* vp = v_cache.data_ptr<T>();
@@ -265,13 +347,18 @@ void attend_rows_typed(const torch::Tensor& q, const torch::Tensor& k_cache, con
   for (size_t i = 0; i < slots.size(); ++i) sp[i] = slots[i].data_ptr<int64_t>();
   int64_t max_len = 0;
   for (auto l : lens) max_len = std::max(max_len, l);
-  at::parallel_for(0, n * Hkv, 1, [&](int64_t w0, int64_t w1) {
-    std::vector<float> scores(static_cast<size_t>(G) * ((max_len + 7) / 8 * 8));
+  const int64_t stride = (max_len + 15) / 16 * 16;
+  const std::vector<AttnTile> tiles = attention_tiles(slot_lists, Hkv);
+  const int64_t max_rows = max_tile_rows(tiles);
+  at::parallel_for(0, static_cast<int64_t>(tiles.size()), 1, [&](int64_t w0, int64_t w1) {
+    AttnScratch scratch(max_rows * G, stride, D);
+    std::vector<AttnPair> pairs;
     for (int64_t w = w0; w < w1; ++w) {
-      const int64_t i = w / Hkv, h = w % Hkv, t = rows[i];
-      attend_one_any<T>(qp + (t * H + h * G) * D, kp + h * D, vp + h * D, sp[slot_lists[i]], lens[i], G, D,
-                        static_cast<int64_t>(Hkv) * D, static_cast<float>(scale), op + (t * H + h * G) * D,
-                        scores.data());
+      const AttnTile& tile = tiles[w];
+      const int64_t len = attention_pairs(tile, rows, lens, qp, op, H, G, D, pairs);
+      attend_tile_any<T>(D, pairs.data(), static_cast<int>(pairs.size()), len, kp + tile.head * D, vp + tile.head * D,
+                         sp[slot_lists[tile.first]], static_cast<int64_t>(Hkv) * D, static_cast<float>(scale),
+                         scratch.scores.get(), stride, scratch.kv.get(), scratch.acc.get(), scratch.mx.get());
     }
   });
 }

@@ -427,36 +427,122 @@ AVX512F inline __m512 sum16(__m512* a) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(d0, d1, 0x88), _mm512_shuffle_f32x4(d0, d1, 0xDD));
 }
 
-// one query row, one KV head, its G query heads: out[g] = softmax(scale q_g . K^T) V over `len` keys.
-// Scores 16 keys at a time (sum16); the V pass serves HB query heads per value load. DV = D / 16.
+// n (<= 16 * KB) cache rows of one KV head widened to fp32, row after row, D values each
 template <typename T, int DV>
-AVX512F void attend_one(const float* q, const T* kc, const T* vc, const int64_t* slots, int64_t len,
-                        int G, int64_t slot_stride, float scale, float* out, float* scores) {
+AVX512F inline void widen_rows(const T* c, const int64_t* slots, int n, int64_t slot_stride, float* dst) {
+  for (int j = 0; j < n; ++j) {
+    const T* src = c + slots[j] * slot_stride;
+    for (int v = 0; v < DV; ++v) _mm512_storeu_ps(dst + j * DV * 16 + v * 16, load16(src + v * 16));
+  }
+}
+
+// one key's 16 lane partials of q . k: lane l sums q[16c + l] k[16c + l] over the chunks c in order
+template <int DV>
+AVX512F inline __m512 dot_chunks(const __m512* qv, const float* k) {
+  __m512 a = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k));
+#pragma GCC unroll 16
+  for (int c = 1; c < DV; ++c) a = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(k + c * 16), a);
+  return a;
+}
+
+// where the value rows of a block are: widened to fp32 in a scratch block (row i of the block), or
+// read from the cache as they are (key jj's slot) when a single pass of pairs reads each row once
+template <typename VT>
+struct ValueRows {
+  const VT* base;
+  const int64_t* slots;      // null: the scratch block
+  int64_t row_stride;
+  const VT* row(int64_t i, int64_t jj) const { return slots ? base + slots[jj] * row_stride : base + i * row_stride; }
+};
+
+// H pairs' value sums over keys [j0, j1) (kv: those keys' values in fp32), in key order: each
+// pair's sums start from its running sums in acc (zero at the first block) and go back there. The
+// keys every pair reads are done together, H pairs per value load; then each pair's own last keys.
+template <int DV, int H, typename VT>
+AVX512F void values_block(const AttnPair* pairs, const float* scores, int64_t stride, const ValueRows<VT>& kv,
+                          int64_t j0, int64_t j1, float* acc) {
+  constexpr int D = DV * 16;
+  __m512 o[H * DV];
+  int64_t common = j1;
+#pragma GCC unroll 16
+  for (int h = 0; h < H; ++h) {
+    common = std::min(common, pairs[h].len);
+#pragma GCC unroll 16
+    for (int c = 0; c < DV; ++c) o[h * DV + c] = j0 == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(acc + h * D + c * 16);
+  }
+  for (int64_t jj = j0; jj < common; ++jj) {
+    const VT* vj = kv.row(jj - j0, jj);
+    __m512 v[DV];
+#pragma GCC unroll 16
+    for (int c = 0; c < DV; ++c) v[c] = load16(vj + c * 16);
+#pragma GCC unroll 16
+    for (int h = 0; h < H; ++h) {
+      const __m512 pj = _mm512_set1_ps(scores[h * stride + jj]);
+#pragma GCC unroll 16
+      for (int c = 0; c < DV; ++c) o[h * DV + c] = _mm512_fmadd_ps(pj, v[c], o[h * DV + c]);
+    }
+  }
+#pragma GCC unroll 16
+  for (int h = 0; h < H; ++h) {
+    const int64_t end = std::min(j1, pairs[h].len);
+    for (int64_t jj = std::max(j0, common); jj < end; ++jj) {
+      const __m512 pj = _mm512_set1_ps(scores[h * stride + jj]);
+#pragma GCC unroll 16
+      for (int c = 0; c < DV; ++c)
+        o[h * DV + c] = _mm512_fmadd_ps(pj, load16(kv.row(jj - j0, jj) + c * 16), o[h * DV + c]);
+    }
+#pragma GCC unroll 16
+    for (int c = 0; c < DV; ++c) _mm512_storeu_ps(acc + h * D + c * 16, o[h * DV + c]);
+  }
+}
+
+template <int DV, int HB, typename VT>
+AVX512F void values_any(int h, const AttnPair* pairs, const float* scores, int64_t stride, const ValueRows<VT>& kv,
+                        int64_t j0, int64_t j1, float* acc) {
+  if constexpr (HB > 1) {
+    if (h < HB) return values_any<DV, HB - 1, VT>(h, pairs, scores, stride, kv, j0, j1, acc);
+  }
+  values_block<DV, HB, VT>(pairs, scores, stride, kv, j0, j1, acc);
+}
+
+// one tile (common.h): every pair p's out = softmax(scale q_p . K^T) V over its first len_p keys.
+// Per pair, as a tile of one pair would: scores 16 keys at a time (a product chain over the head's
+// 16-lane chunks, then sum16), their lane-wise maximum block by block, e^(s - max) and its sum in key
+// order, then the values summed in key order, HB pairs per value load, and one division. DV = D / 16.
+template <typename T, int DV>
+AVX512F void attend_tile(const AttnPair* pairs, int P, int64_t max_len, const T* kc, const T* vc,
+                         const int64_t* slots, int64_t slot_stride, float scale, float* scores, int64_t stride,
+                         float* kv, float* acc_buf, float* mx_buf) {
   constexpr int D = DV * 16, HB = DV >= 16 ? 1 : 16 / DV;
+  constexpr int VB = D >= 256 ? 16 : 4096 / D;            // values per block: 16 KB of fp32
   const __m512 scale_v = _mm512_set1_ps(scale);
-  float inv[64];
-  for (int g = 0; g < G; ++g) {
-    const float* qg = q + g * D;
-    float* sg = scores + g * len;
-    __m512 qv[DV];
-    for (int c = 0; c < DV; ++c) qv[c] = _mm512_loadu_ps(qg + c * 16);
-    __m512 mxv = _mm512_set1_ps(-INFINITY);
-    for (int64_t j0 = 0; j0 < len; j0 += 16) {
-      const int n = static_cast<int>(std::min<int64_t>(16, len - j0));
+  for (int p = 0; p < P; ++p) _mm512_storeu_ps(mx_buf + p * 16, _mm512_set1_ps(-INFINITY));
+  for (int64_t j0 = 0; j0 < max_len; j0 += 16) {
+    widen_rows<T, DV>(kc, slots + j0, static_cast<int>(std::min<int64_t>(16, max_len - j0)), slot_stride, kv);
+    for (int p = 0; p < P; ++p) {
+      if (pairs[p].len <= j0) continue;
+      const int n = static_cast<int>(std::min<int64_t>(16, pairs[p].len - j0));
+      __m512 qv[DV];
+#pragma GCC unroll 16
+      for (int c = 0; c < DV; ++c) qv[c] = _mm512_loadu_ps(pairs[p].q + c * 16);
       __m512 acc[16];
-      for (int j = 0; j < 16; ++j) {
-        if (j >= n) { acc[j] = _mm512_setzero_ps(); continue; }
-        const T* kj = kc + slots[j0 + j] * slot_stride;
-        __m512 a = _mm512_mul_ps(qv[0], load16(kj));
-        for (int c = 1; c < DV; ++c) a = _mm512_fmadd_ps(qv[c], load16(kj + c * 16), a);
-        acc[j] = a;
+      if (n == 16) {                         // a whole block: straight-line code, acc in registers
+#pragma GCC unroll 16
+        for (int j = 0; j < 16; ++j) acc[j] = dot_chunks<DV>(qv, kv + j * D);
+      } else {
+        for (int j = 0; j < 16; ++j) acc[j] = j < n ? dot_chunks<DV>(qv, kv + j * D) : _mm512_setzero_ps();
       }
       const __mmask16 m = n == 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << n) - 1);
       const __m512 sc = _mm512_mul_ps(sum16(acc), scale_v);
-      _mm512_mask_storeu_ps(sg + j0, m, sc);
-      mxv = _mm512_mask_max_ps(mxv, m, mxv, sc);
+      _mm512_mask_storeu_ps(scores + p * stride + j0, m, sc);
+      const __m512 mxv = _mm512_loadu_ps(mx_buf + p * 16);
+      _mm512_storeu_ps(mx_buf + p * 16, _mm512_mask_max_ps(mxv, m, mxv, sc));
     }
-    const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(mxv));
+  }
+  for (int p = 0; p < P; ++p) {
+    float* sg = scores + p * stride;
+    const int64_t len = pairs[p].len;
+    const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(_mm512_loadu_ps(mx_buf + p * 16)));
     __m512 sumv = _mm512_setzero_ps();
     int64_t j = 0;
     for (; j + 16 <= len; j += 16) {
@@ -470,33 +556,33 @@ AVX512F void attend_one(const float* q, const T* kc, const T* vc, const int64_t*
       _mm512_mask_storeu_ps(sg + j, m, e);
       sumv = _mm512_add_ps(sumv, _mm512_maskz_mov_ps(m, e));
     }
-    inv[g] = 1.0f / _mm512_reduce_add_ps(sumv);
+    mx_buf[p] = 1.0f / _mm512_reduce_add_ps(sumv);     // the pair's 1 / sum (its maximum is spent)
   }
-  for (int g0 = 0; g0 < G; g0 += HB) {
-    const int hb = std::min(HB, G - g0);
-    __m512 o[HB * DV];
-    for (int i = 0; i < HB * DV; ++i) o[i] = _mm512_setzero_ps();
-    for (int64_t jj = 0; jj < len; ++jj) {
-      const T* vj = vc + slots[jj] * slot_stride;
-      __m512 v[DV];
-      for (int c = 0; c < DV; ++c) v[c] = load16(vj + c * 16);
-      for (int h = 0; h < hb; ++h) {
-        const __m512 pj = _mm512_set1_ps(scores[(g0 + h) * len + jj]);
-        for (int c = 0; c < DV; ++c) o[h * DV + c] = _mm512_fmadd_ps(pj, v[c], o[h * DV + c]);
-      }
+  if (P <= HB) {                                        // one pass of the pairs: each value row read once
+    values_any<DV, HB, T>(P, pairs, scores, stride, ValueRows<T>{vc, slots, slot_stride}, 0, max_len, acc_buf);
+  } else {
+    for (int64_t j0 = 0; j0 < max_len; j0 += VB) {
+      const int64_t j1 = std::min<int64_t>(max_len, j0 + VB);
+      widen_rows<T, DV>(vc, slots + j0, static_cast<int>(j1 - j0), slot_stride, kv);
+      for (int p0 = 0; p0 < P; p0 += HB)
+        values_any<DV, HB, float>(std::min(HB, P - p0), pairs + p0, scores + p0 * stride, stride,
+                                  ValueRows<float>{kv, nullptr, D}, j0, j1, acc_buf + p0 * D);
     }
-    for (int h = 0; h < hb; ++h) {
-      const __m512 invv = _mm512_set1_ps(inv[g0 + h]);
-      for (int c = 0; c < DV; ++c) _mm512_storeu_ps(out + (g0 + h) * D + c * 16, _mm512_mul_ps(o[h * DV + c], invv));
-    }
+  }
+  for (int p = 0; p < P; ++p) {
+    const __m512 invv = _mm512_set1_ps(mx_buf[p]);
+    for (int c = 0; c < DV; ++c)
+      _mm512_storeu_ps(pairs[p].out + c * 16, _mm512_mul_ps(_mm512_loadu_ps(acc_buf + p * D + c * 16), invv));
   }
 }
 
 template <typename T>
-void attend_one_any(const float* q, const T* kc, const T* vc, const int64_t* slots, int64_t len, int G, int D,
-                    int64_t slot_stride, float scale, float* out, float* scores) {
+void attend_tile_any(int D, const AttnPair* pairs, int P, int64_t max_len, const T* kc, const T* vc,
+                     const int64_t* slots, int64_t slot_stride, float scale, float* scores, int64_t stride, float* kv,
+                     float* acc_buf, float* mx_buf) {
   switch (D / 16) {
-#define CASE(n) case n: attend_one<T, n>(q, kc, vc, slots, len, G, slot_stride, scale, out, scores); break;
+#define CASE(n) case n: attend_tile<T, n>(pairs, P, max_len, kc, vc, slots, slot_stride, scale, scores, stride, kv, \
+                                          acc_buf, mx_buf); break;
     CASE(1) CASE(2) CASE(4) CASE(8) CASE(16)
 #undef CASE
     default: TORCH_CHECK(false, "attend_rows: head_dim ", D, " is not supported");
@@ -505,10 +591,10 @@ void attend_one_any(const float* q, const T* kc, const T* vc, const int64_t* slo
 
 }  // namespace
 
-// q [T, H, D] fp32; caches [S, Hkv, D] fp32, bf16 or fp16 (read and widened in registers); out [T, H, D]
+// q [T, H, D] fp32; caches [S, Hkv, D] fp32, bf16 or fp16 (widened to fp32, exact); out [T, H, D]
 // written for the listed rows.
 // rows[i]: the row; lens[i]: its number of keys; slot_lists[i]: index into `slots` of its request's key
-// slots (the first lens[i] of them are its keys).
+// slots (the first lens[i] of them are its keys). Rows of one key list share tiles (common.h).
 template <typename T>
 void attend_rows_typed(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                        torch::Tensor& out, const std::vector<int64_t>& rows, const std::vector<int64_t>& lens,
@@ -516,7 +602,6 @@ void attend_rows_typed(const torch::Tensor& q, const torch::Tensor& k_cache, con
   const int H = q.size(1), D = q.size(2), Hkv = k_cache.size(1), G = H / Hkv;
   TORCH_CHECK((D == 16 || D == 32 || D == 64 || D == 128 || D == 256) && G <= 64 && k_cache.stride(0) == Hkv * D &&
               v_cache.stride(0) == Hkv * D, "layout");
-  const int64_t n = static_cast<int64_t>(rows.size());
   const float* qp = q.data_ptr<float>();
   const T* kp = k_cache.data_ptr<T>();
   const T* vp = v_cache.data_ptr<T>();
@@ -525,13 +610,18 @@ void attend_rows_typed(const torch::Tensor& q, const torch::Tensor& k_cache, con
   for (size_t i = 0; i < slots.size(); ++i) sp[i] = slots[i].data_ptr<int64_t>();
   int64_t max_len = 0;
   for (auto l : lens) max_len = std::max(max_len, l);
-  at::parallel_for(0, n * Hkv, 1, [&](int64_t w0, int64_t w1) {
-    std::vector<float> scores(static_cast<size_t>(G) * max_len);
+  const int64_t stride = (max_len + 15) / 16 * 16;
+  const std::vector<AttnTile> tiles = attention_tiles(slot_lists, Hkv);
+  const int64_t max_rows = max_tile_rows(tiles);
+  at::parallel_for(0, static_cast<int64_t>(tiles.size()), 1, [&](int64_t w0, int64_t w1) {
+    AttnScratch scratch(max_rows * G, stride, D);
+    std::vector<AttnPair> pairs;
     for (int64_t w = w0; w < w1; ++w) {
-      const int64_t i = w / Hkv, h = w % Hkv, t = rows[i];
-      attend_one_any<T>(qp + (t * H + h * G) * D, kp + h * D, vp + h * D, sp[slot_lists[i]], lens[i], G, D,
-                        static_cast<int64_t>(Hkv) * D, static_cast<float>(scale), op + (t * H + h * G) * D,
-                        scores.data());
+      const AttnTile& tile = tiles[w];
+      const int64_t len = attention_pairs(tile, rows, lens, qp, op, H, G, D, pairs);
+      attend_tile_any<T>(D, pairs.data(), static_cast<int>(pairs.size()), len, kp + tile.head * D, vp + tile.head * D,
+                         sp[slot_lists[tile.first]], static_cast<int64_t>(Hkv) * D, static_cast<float>(scale),
+                         scratch.scores.get(), stride, scratch.kv.get(), scratch.acc.get(), scratch.mx.get());
     }
   });
 }

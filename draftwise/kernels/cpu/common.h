@@ -77,4 +77,79 @@ inline void check_int8(const torch::Tensor& x, const torch::Tensor& q8, const to
   TORCH_CHECK(scale.scalar_type() == torch::kFloat && scale.numel() == q8.size(0) * NB, "scale: float [N]");
 }
 
+// --- the row-invariant attention's tiles (every ISA file) -------------------------------------------
+// A tile is a unit of attention work: up to ATTN_TILE_ROWS consecutive rows of one request (one key
+// list) and one KV head. Its query vectors ("pairs": each row's G query heads, each with its own
+// number of keys) are scored against each block of keys, and summed over each block of values, with
+// the block widened to fp32 once for all of them. Every pair's own arithmetic (the order of its
+// products, sums and maxima) is what a tile of that row alone does, so a row's bits never depend on
+// the tile it lands in: the tile size only trades memory traffic against parallelism.
+struct AttnPair {
+  const float* q;
+  float* out;
+  int64_t len;
+};
+
+struct AttnTile {
+  int64_t first, rows;   // entries [first, first + rows) of the call's row lists
+  int head;              // the KV head
+};
+
+constexpr int64_t ATTN_TILE_ROWS = 8;
+
+// the call's tiles: each key list's rows split evenly into k tiles of at most ATTN_TILE_ROWS rows,
+// k raised (up to one row per tile) until the tiles of the list, one per KV head each, give every
+// thread two, in a count the threads share evenly
+inline std::vector<AttnTile> attention_tiles(const std::vector<int64_t>& slot_lists, int Hkv) {
+  const int64_t n = static_cast<int64_t>(slot_lists.size());
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  std::vector<AttnTile> tiles;
+  for (int64_t i = 0; i < n;) {
+    int64_t j = i + 1;
+    while (j < n && slot_lists[j] == slot_lists[i]) ++j;
+    const int64_t rows = j - i;
+    int64_t k = std::max((rows + ATTN_TILE_ROWS - 1) / ATTN_TILE_ROWS, (2 * threads + Hkv - 1) / Hkv);
+    while (k < rows && (k * Hkv) % threads != 0) ++k;
+    k = std::min(k, rows);
+    for (int64_t t = 0, first = i; t < k; ++t) {
+      const int64_t size = rows / k + (t < rows % k ? 1 : 0);
+      for (int h = 0; h < Hkv; ++h) tiles.push_back({first, size, h});
+      first += size;
+    }
+    i = j;
+  }
+  return tiles;
+}
+
+// one thread's working memory for tiles of up to `pairs` pairs over up to `stride` keys (a multiple
+// of 16): scores [pairs, stride], a block of K or V rows widened to fp32 (16 KB, or 16 rows of D),
+// the pairs' running value sums [pairs, D] and their maxima / 1 / sums [pairs, 16]; uninitialised
+// (every value is written before it is read)
+struct AttnScratch {
+  std::unique_ptr<float[]> scores, kv, acc, mx;
+  AttnScratch(int64_t pairs, int64_t stride, int64_t D)
+      : scores(new float[pairs * stride]), kv(new float[std::max<int64_t>(4096, 16 * D)]),
+        acc(new float[pairs * D]), mx(new float[pairs * 16]) {}
+};
+
+// the most rows any tile holds
+inline int64_t max_tile_rows(const std::vector<AttnTile>& tiles) {
+  int64_t r = 1;
+  for (const auto& t : tiles) r = std::max(r, t.rows);
+  return r;
+}
+
+// the pairs of one tile (row-major: a row's G heads side by side); the longest key count
+inline int64_t attention_pairs(const AttnTile& tile, const std::vector<int64_t>& rows, const std::vector<int64_t>& lens,
+                               const float* q, float* out, int H, int G, int D, std::vector<AttnPair>& pairs) {
+  pairs.clear();
+  int64_t max_len = 0;
+  for (int64_t i = tile.first; i < tile.first + tile.rows; ++i) {
+    const int64_t base = (rows[i] * H + static_cast<int64_t>(tile.head) * G) * D;
+    for (int g = 0; g < G; ++g) pairs.push_back({q + base + g * D, out + base + g * D, lens[i]});
+    max_len = std::max(max_len, lens[i]);
+  }
+  return max_len;
+}
+
 }  // namespace draftwise
