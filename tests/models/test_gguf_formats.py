@@ -169,3 +169,39 @@ def test_int4_on_a_gguf_keeps_its_q4_blocks_and_quantizes_the_rest(tmp_path):
     prompts = [[5, 9, 2, 7] * 5, list(range(3, 40))]
     alone = [_tokens(llm, [p])[0] for p in prompts]
     assert _tokens(llm, prompts) == alone
+
+
+def test_a_kernel_that_cannot_be_built_means_pytorch_and_every_request_succeeds(tmp_path, monkeypatch, caplog):
+    """After a warm start (kernels built, step costs cached), an engine whose kernels cannot be
+    built (a compiler removed, a build that now fails) or that DRAFTWISE_ISA=none turns off runs
+    PyTorch's kernels with one warning, and every request of the default configuration succeeds."""
+    import logging
+
+    from draftwise import kernels
+    monkeypatch.setenv("DRAFTWISE_CACHE", str(tmp_path / "cache"))
+    path = write_tiny_llama_gguf(str(tmp_path / "tiny.gguf"), MIXES["q4_k_m"], seed=3)
+    prompts = [[5, 6, 7, 8] * 5, list(range(40, 100)), [9] * 30]
+    kernels.reset()
+    warm = LLM(model=path, max_model_len=256)
+    assert len(_tokens(warm, prompts)) == 3
+    del warm
+
+    def no_compiler(source):
+        raise RuntimeError("error: command 'c++' failed: No such file or directory")
+    for how in ("build fails", "DRAFTWISE_ISA=none"):
+        kernels.reset()
+        if how == "build fails":
+            monkeypatch.setattr(kernels, "_build", no_compiler)
+        else:
+            monkeypatch.setenv("DRAFTWISE_ISA", "none")
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="draftwise"):
+            llm = LLM(model=path, max_model_len=256)
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                                SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+        assert [o.outputs[0].finish_reason for o in outs] == ["length"] * 3, how
+        assert all(len(o.outputs[0].token_ids) == 12 for o in outs), how
+        warnings = [r.getMessage() for r in caplog.records if "CPU kernels: using PyTorch's" in r.getMessage()]
+        assert len(warnings) == 1, (how, warnings)
+        assert ("could not be built" in warnings[0]) == (how == "build fails")
+    kernels.reset()
