@@ -300,6 +300,8 @@ class EngineConfig:
     # async scheduling: the model runs on a worker thread; while step n runs, step n+1's KV blocks
     # are reserved and step n-1's outputs detokenized (engine._step_async)
     async_scheduling: bool = False
+    # the chat template in place of the model's own (its text); None: the model's
+    chat_template: str | None = None
 
     def __post_init__(self):
         if self.compile_sizes is not None:

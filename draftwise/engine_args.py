@@ -15,6 +15,7 @@ import json
 from dataclasses import MISSING, dataclass, field, fields
 
 from draftwise.config import EngineConfig, SpeculativeConfig, parse_bytes
+from draftwise.inputs import read_chat_template
 from draftwise.models.loader import DEFAULT_MODEL
 from draftwise.models.loader import native_quantization
 from draftwise.models.packaged import installed_draft_model, packaged_model
@@ -94,6 +95,8 @@ class EngineArgs:
                                              choices=["mp", "ray"])
     async_scheduling: bool = _opt(False, "run the model on a worker thread: reserve step n+1's KV blocks and "
                                          "detokenize step n-1 while step n runs")
+    chat_template: str | None = _opt(None, "a chat template in place of the model's own: a Jinja file, or the "
+                                           "template itself (default: the one in the model's files, if any)")
 
     # --- command line --------------------------------------------------------------------------
     @classmethod
@@ -155,4 +158,5 @@ class EngineArgs:
             distributed_executor_backend=self.distributed_executor_backend,
             async_scheduling=self.async_scheduling,
             kv_cache_memory=None if self.kv_cache_memory is None else parse_bytes(self.kv_cache_memory),
-            kv_cache_dtype=self.kv_cache_dtype)
+            kv_cache_dtype=self.kv_cache_dtype,
+            chat_template=None if self.chat_template is None else read_chat_template(self.chat_template))

@@ -3,6 +3,8 @@ template. Free functions of a tokenizer, shared by the engine, `LLM` and the HTT
 may run without the model's weights)."""
 from __future__ import annotations
 
+import os
+
 
 def tokenize_prompt(tokenizer, prompt) -> tuple[str | None, list[int]]:
     """(prompt text or None, token ids) of a string, a list of token ids, or a dict with
@@ -32,10 +34,38 @@ def tokenize_prompt(tokenizer, prompt) -> tuple[str | None, list[int]]:
     return prompt, ids
 
 
+NO_CHAT_TEMPLATE = ("this model has no chat template: send a completion (a plain prompt), or supply a "
+                    "template with --chat-template FILE (chat_template= in the Python API)")
+
+
+def read_chat_template(value: str) -> str:
+    """A chat template given as vLLM's --chat-template takes it: the path of a Jinja file, or the
+    template itself (text holding '{{' or '{%')."""
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            text = f.read()
+    elif "{{" in value or "{%" in value:
+        text = value
+    else:
+        raise ValueError(f"chat_template {value!r} is neither a file nor a Jinja template")
+    if not text.strip():
+        raise ValueError(f"chat_template {value!r} is empty")
+    return text
+
+
+def set_chat_template(tokenizer, template: str | None) -> None:
+    """Give the tokenizer the user's chat template (read_chat_template's text), in place of its own."""
+    if template is None:
+        return
+    if tokenizer is None:
+        raise ValueError("chat_template needs the model's tokenizer, and this model has none")
+    tokenizer.chat_template = template
+
+
 def apply_chat_template(tokenizer, messages, add_generation_prompt: bool = True) -> str:
     """The prompt text of a conversation (a non-empty list of {'role', 'content'} dicts)."""
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
-        raise ValueError("this model has no chat template")
+        raise ValueError(NO_CHAT_TEMPLATE)
     if not isinstance(messages, list) or not messages:
         raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts")
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)

@@ -30,6 +30,7 @@ import threading
 import torch
 
 from draftwise.config import EngineConfig, ModelConfig, cache_dir, default_kv_tokens
+from draftwise.inputs import set_chat_template
 from draftwise.distributed.tensor_parallel import DrafterTargetView, check_divisibility, shard_target
 from draftwise.kernels import attention_reads_16bit, kernels_id
 from draftwise.kernels import load as load_kernels
@@ -81,6 +82,7 @@ class Worker:
         blocks = self._gguf_blocks(config)
         self._keep_embedding_quantized(config, blocks)
         self.tokenizer = load_tokenizer(self.model_path)
+        set_chat_template(self.tokenizer, config.chat_template)
         self.eos_token_ids = self._eos_token_ids()
         self.proposer: Proposer | None = None
         if config.speculative_config is not None:

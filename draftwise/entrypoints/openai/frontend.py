@@ -8,7 +8,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from draftwise.inputs import apply_chat_template, tokenize_prompt
+from draftwise.inputs import apply_chat_template, set_chat_template, tokenize_prompt
 from draftwise.models.loader import load_tokenizer
 from draftwise.structured_output import GrammarCompiler
 
@@ -33,8 +33,10 @@ class ModelFrontend:
 
     @classmethod
     def from_description(cls, info: dict) -> "ModelFrontend":
-        return cls(load_tokenizer(info["model_path"]), info["max_model_len"], info["vocab_size"],
-                   info["max_num_seqs"], tuple(info["eos_token_ids"]))
+        tokenizer = load_tokenizer(info["model_path"])
+        set_chat_template(tokenizer, info.get("chat_template"))
+        return cls(tokenizer, info["max_model_len"], info["vocab_size"], info["max_num_seqs"],
+                   tuple(info["eos_token_ids"]))
 
     def tokenize_prompt(self, prompt) -> tuple[str | None, list[int]]:
         return tokenize_prompt(self.tokenizer, prompt)
@@ -57,4 +59,4 @@ def describe_engine(engine) -> dict:
     """The plain facts a front end needs about an engine (picklable: crosses process boundaries)."""
     return {"model_path": engine.worker.model_path, "max_model_len": engine.config.max_model_len,
             "vocab_size": engine.worker.model_cfg.vocab_size, "max_num_seqs": engine.config.max_num_seqs,
-            "eos_token_ids": list(engine.eos_token_ids)}
+            "eos_token_ids": list(engine.eos_token_ids), "chat_template": engine.config.chat_template}
