@@ -75,7 +75,7 @@ DW_AVX2 void rows(const q8act::Activations& act, int r0, const uint8_t* pk, int 
     for (int r = 0; r < MT; ++r) ia[r] = _mm256_setzero_si256();
     for (int o = 0; o < OG; ++o) {
       const int oct = g * OG + o;
-      _mm_prefetch(reinterpret_cast<const char*>(pk + oct * sb + PREFETCH_BYTES), _MM_HINT_T0);
+      q8act::prefetch_step<BITS>(pk + oct * sb, PREFETCH_BYTES);
       __m256i a, b;
       load_half<BITS>(pk + oct * sb, h, a, b);
       for (int r = 0; r < MT; ++r)

@@ -130,7 +130,7 @@ AVX512VNNI void rows(const TiledActivations& ta, int t, const uint8_t* pk, const
     const int32_t* xg = xq + static_cast<int64_t>(g) * OG * MT_MAX * 2;
 #pragma GCC unroll 4
     for (int o = 0; o < OG; ++o) {
-      _mm_prefetch(reinterpret_cast<const char*>(pg + o * sb + CODE_PREFETCH_BYTES), _MM_HINT_T0);
+      q8act::prefetch_step<BITS>(pg + o * sb, CODE_PREFETCH_BYTES);
       __m512i a, b;
       load_step<BITS>(pg + o * sb, a, b);
       const int32_t* xo = xg + o * MT_MAX * 2;

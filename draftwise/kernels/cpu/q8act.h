@@ -36,6 +36,20 @@ constexpr int ROW_CHUNK = 64;  // rows whose activations stay in cache while a t
 
 constexpr int64_t step_bytes(int bits) { return bits == 8 ? 128 : 64 + 16 * (bits - 4); }
 
+// every cache line of the code step at p + ahead: its first, 64 bytes on and its last byte (a step
+// of 80, 96 or 128 bytes spans two or three lines, not aligned to them for 5- and 6-bit codes; one
+// prefetch per step left a third to a half of those lines to the hardware prefetcher)
+template <int BITS>
+inline void prefetch_step(const uint8_t* p, int64_t ahead) {
+  constexpr int64_t sb = step_bytes(BITS);
+  const char* a = reinterpret_cast<const char*>(p + ahead);
+  _mm_prefetch(a, _MM_HINT_T0);
+  if constexpr (sb > 64) {
+    _mm_prefetch(a + 64, _MM_HINT_T0);
+    _mm_prefetch(a + sb - 1, _MM_HINT_T0);
+  }
+}
+
 // The scales of the super-block families as their files store them (a column block's 16 lanes
 // per super-block: d fp16 [16], then sc int8 [gps][16]); a group's scale is d * sc in fp32, the
 // same bits as the product table (both factors exact, the product within fp32's mantissa).
