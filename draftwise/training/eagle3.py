@@ -34,6 +34,7 @@ class TrainConfig:
     max_len: int = 1024                # sequences are cut to this many tokens
     ttt_steps: int = 7
     draft_vocab_size: int = 16384
+    intermediate_size: int | None = None   # the head's MLP width; None: the target's (cost scales with it)
     vocab_sequences: int = 2000        # sequences counted to choose the draft vocabulary
     vocab_fill_conversations: int = 3000   # ShareGPT replies counted to fill the rest (0: none)
     lr: float = 3e-4
@@ -193,10 +194,10 @@ def needed_target_rows(loss_mask) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------------
-def build_draft(target, d2t, t2d, max_position: int) -> Eagle3LlamaForCausalLM:
+def build_draft(target, d2t, t2d, max_position: int, intermediate_size: int | None = None) -> Eagle3LlamaForCausalLM:
     tc: ModelConfig = target.config
     dcfg = ModelConfig(architecture="llama", vocab_size=tc.vocab_size, hidden_size=tc.hidden_size,
-                       intermediate_size=tc.intermediate_size, num_hidden_layers=1,
+                       intermediate_size=intermediate_size or tc.intermediate_size, num_hidden_layers=1,
                        num_attention_heads=tc.num_attention_heads, num_key_value_heads=tc.num_key_value_heads,
                        head_dim=tc.head_dim, rms_norm_eps=tc.rms_norm_eps, rope_theta=tc.rope_theta,
                        rope_scaling=tc.rope_scaling, max_position_embeddings=tc.max_position_embeddings)
@@ -326,7 +327,8 @@ def train_eagle3(cfg: TrainConfig, progress: bool = True) -> str:
         fill = sharegpt_reply_counts(tpath, cfg.vocab_fill_conversations) if cfg.vocab_fill_conversations else None
         d2t, t2d, coverage = build_draft_vocab(counter, tcfg.vocab_size, cfg.draft_vocab_size,
                                                always=list(tcfg.eos_token_ids), fallback=fill)
-    model = build_draft(target, d2t, t2d, cfg.max_len + cfg.ttt_steps + 64)
+    model = build_draft(target, d2t, t2d, cfg.max_len + cfg.ttt_steps + 64,
+                        state["config"].get("intermediate_size") if state is not None else cfg.intermediate_size)
     if init is not None:
         model.load_state_dict({k: v for k, v in init.state_dict().items() if not k.startswith("embed_tokens")},
                               strict=False)

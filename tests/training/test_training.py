@@ -228,7 +228,8 @@ def test_train_eagle3_end_to_end(tmp_path):
     out = str(tmp_path / "run")
     cfg = TrainConfig(target=tdir, out=out, data=data, eval_data=held, max_len=256, ttt_steps=3,
                       draft_vocab_size=64, vocab_sequences=16, lr=3e-3, warmup_steps=1, total_steps=3,
-                      tokens_per_step=150, save_every=2, eval_every=3, eval_sequences=2, threads=1)
+                      tokens_per_step=150, save_every=2, eval_every=3, eval_sequences=2, threads=1,
+                      intermediate_size=48)          # a narrower MLP than the target's: a cheaper head
     export = train_eagle3(cfg, progress=False)
     log = [json.loads(x) for x in open(os.path.join(out, "train_log.jsonl"))]
     assert [r["step"] for r in log] == [1, 2, 3] and len(log[-1]["heldout_acc"]) == 3
@@ -238,6 +239,7 @@ def test_train_eagle3_end_to_end(tmp_path):
     assert torch.load(os.path.join(out, "trainer_state.pt"), weights_only=False)["step"] == 5
     c = load_cfg(export)
     assert c["draft_vocab_size"] == 64 and c["architectures"] == ["LlamaForCausalLMEagle3"]
+    assert c["intermediate_size"] == 48 != load_cfg(tdir)["intermediate_size"]
     from safetensors import safe_open
     with safe_open(os.path.join(export, "model.safetensors"), "pt") as f:
         keys = set(f.keys())
