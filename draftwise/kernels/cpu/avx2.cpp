@@ -192,16 +192,6 @@ inline __m256 dot_chunks(const float* q, const float* k) {
   return a;
 }
 
-// where the value rows of a block are: widened to fp32 in a scratch block (row i of the block), or
-// read from the cache as they are (key jj's slot) when a single pass of pairs reads each row once
-template <typename VT>
-struct ValueRows {
-  const VT* base;
-  const int64_t* slots;      // null: the scratch block
-  int64_t row_stride;
-  const VT* row(int64_t i, int64_t jj) const { return slots ? base + slots[jj] * row_stride : base + i * row_stride; }
-};
-
 // H pairs' value sums over keys [j0, j1), columns [8 c0, 8 (c0 + CW)) (kv: those keys' values), in
 // key order, from and back to each pair's running sums in acc (zero at the first block); the keys
 // every pair reads together, H pairs per value load, then each pair's own last keys

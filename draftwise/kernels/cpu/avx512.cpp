@@ -445,16 +445,6 @@ AVX512F inline __m512 dot_chunks(const __m512* qv, const float* k) {
   return a;
 }
 
-// where the value rows of a block are: widened to fp32 in a scratch block (row i of the block), or
-// read from the cache as they are (key jj's slot) when a single pass of pairs reads each row once
-template <typename VT>
-struct ValueRows {
-  const VT* base;
-  const int64_t* slots;      // null: the scratch block
-  int64_t row_stride;
-  const VT* row(int64_t i, int64_t jj) const { return slots ? base + slots[jj] * row_stride : base + i * row_stride; }
-};
-
 // H pairs' value sums over keys [j0, j1) (kv: those keys' values in fp32), in key order: each
 // pair's sums start from its running sums in acc (zero at the first block) and go back there. The
 // keys every pair reads are done together, H pairs per value load; then each pair's own last keys.

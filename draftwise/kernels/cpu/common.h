@@ -121,6 +121,16 @@ inline std::vector<AttnTile> attention_tiles(const std::vector<int64_t>& slot_li
   return tiles;
 }
 
+// where the value rows of a block are: widened to fp32 in a scratch block (row i of the block), or
+// read from the cache as they are (key jj's slot) when a single pass of pairs reads each row once
+template <typename VT>
+struct ValueRows {
+  const VT* base;
+  const int64_t* slots;      // null: the scratch block
+  int64_t row_stride;
+  const VT* row(int64_t i, int64_t jj) const { return slots ? base + slots[jj] * row_stride : base + i * row_stride; }
+};
+
 // one thread's working memory for tiles of up to `pairs` pairs over up to `stride` keys (a multiple
 // of 16): scores [pairs, stride], a block of K or V rows widened to fp32 (16 KB, or 16 rows of D),
 // the pairs' running value sums [pairs, D] and their maxima / 1 / sums [pairs, 16]; uninitialised
