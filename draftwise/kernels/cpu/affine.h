@@ -109,7 +109,7 @@ template <typename C>
 DW_AVX2 void unpack_block(const typename C::T* pk, int K, __m256i off, float* tile) {
   __m256 w[4];
   for (int p = 0; p < K / 2; ++p) {
-    _mm_prefetch(reinterpret_cast<const char*>(pk + p * C::bytes_per_pair + PREFETCH_BYTES), _MM_HINT_T0);
+    prefetch_weights(pk + p * C::bytes_per_pair + PREFETCH_BYTES);
     C::unpack(pk + p * C::bytes_per_pair, off, w);
     for (int i = 0; i < 4; ++i) _mm256_store_ps(tile + p * 32 + i * 8, w[i]);
   }
@@ -133,7 +133,7 @@ DW_AVX2 void rows(const float* x, const float* xs, int K, int group, const typen
         for (int i = 0; i < 4; ++i) w[i] = _mm256_load_ps(tile + p * 32 + i * 8);
       } else {
         if ((q & 3) == 0)
-          _mm_prefetch(reinterpret_cast<const char*>(pk + p * C::bytes_per_pair + PREFETCH_BYTES), _MM_HINT_T0);
+          prefetch_weights(pk + p * C::bytes_per_pair + PREFETCH_BYTES);
         C::unpack(pk + p * C::bytes_per_pair, off, w);
       }
       for (int r = 0; r < MT; ++r) {

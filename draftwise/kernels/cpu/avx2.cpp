@@ -35,7 +35,7 @@ inline void unpack_pair8(const int8_t* q, __m256 w[4]) {
 inline void unpack_block8(const int8_t* q, int K, float* tile) {
   __m256 w[4];
   for (int p = 0; p < K / 2; ++p) {
-    _mm_prefetch(reinterpret_cast<const char*>(q + p * 32 + PREFETCH_BYTES), _MM_HINT_T0);
+    prefetch_weights(q + p * 32 + PREFETCH_BYTES);
     unpack_pair8(q + p * 32, w);
     for (int i = 0; i < 4; ++i) _mm256_store_ps(tile + p * 32 + i * 8, w[i]);
   }
@@ -52,7 +52,7 @@ void rows_int8(const float* x, int K, const int8_t* q, const float* tile, const 
     if (TILE) {
       for (int i = 0; i < 4; ++i) w[i] = _mm256_load_ps(tile + p * 32 + i * 8);
     } else {
-      if ((p & 1) == 0) _mm_prefetch(reinterpret_cast<const char*>(q + p * 32 + PREFETCH_BYTES), _MM_HINT_T0);
+      if ((p & 1) == 0) prefetch_weights(q + p * 32 + PREFETCH_BYTES);
       unpack_pair8(q + p * 32, w);
     }
     const int e = p & 1;

@@ -36,7 +36,7 @@ AVX512BF16 inline void unpack_pairs(const uint8_t* pk, int p_begin, int p_end, u
   for (int p = p_begin; p < p_end; ++p) {
     // decode streams every weight from DRAM: ask for the codes PREFETCH_BYTES ahead (the next
     // block's when near the end of this one: blocks are consecutive)
-    _mm_prefetch(reinterpret_cast<const char*>(pk + p * NB + PREFETCH_BYTES), _MM_HINT_T0);
+    prefetch_weights(pk + p * NB + PREFETCH_BYTES);
     // dword j = byte j = q[j][2p] | q[j][2p+1] << 4  ->  words (0x4300 | q[j][2p], 0x4300 | q[j][2p+1])
     const __m512i d = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(pk + p * NB)));
     const __m512i lo = _mm512_ternarylogic_epi32(d, lo_mask, bias, 0xEA);                  // (d & m) | bias
@@ -228,7 +228,7 @@ AMXBF16 void rows_amx_wide(const uint16_t* x, const float* xs, int mt, int K, co
 AVX512BF16 void unpack_int8(const int8_t* q8, int K, uint16_t* out) {
   const int P = K / 2;
   for (int p = 0; p < P; ++p) {
-    _mm_prefetch(reinterpret_cast<const char*>(q8 + p * 32 + PREFETCH_BYTES), _MM_HINT_T0);
+    prefetch_weights(q8 + p * 32 + PREFETCH_BYTES);
     const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q8 + p * 32));
     const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(v)));
     const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(v, 1)));

@@ -68,42 +68,46 @@ AVX512VNNI inline void load_step(const uint8_t* p, __m512i& a, __m512i& b) {
 // side, and likewise each group's offset term and input sum and each block's scale. One pointer per
 // array then serves every row of the tile with constant displacements; eight row pointers per
 // array would not fit the general registers, and their reloads cost the 8-row tile ~40 % of its
-// throughput. Rows past M in the last tile are zero and never read.
+// throughput. Within a tile the rows are interleaved at the tile's own height (MT_MAX, or fewer in
+// the last tile), so a single row's activations are as compact as x itself: padded to MT_MAX, one
+// row of the down projection (K = 8,960) spread over 72 KB, past L1, for every column block.
 struct TiledActivations {
   int tiles = 0, octets = 0, G = 0, blocks = 0;
-  std::vector<int32_t> q;      // [tiles][octets][MT_MAX][2]
-  std::vector<int32_t> corr;   // [tiles][G][MT_MAX]
-  std::vector<float> d;        // [tiles][blocks][MT_MAX]
-  std::vector<float> xs;       // [tiles][G][MT_MAX]
+  std::vector<int32_t> q;      // [tiles][octets][mt][2]   (mt: the tile's rows; tiles MT_MAX apart)
+  std::vector<int32_t> corr;   // [tiles][G][mt]
+  std::vector<float> d;        // [tiles][blocks][mt]
+  std::vector<float> xs;       // [tiles][G][mt]
 
   void fill(const q8act::Activations& act) {
     tiles = (act.M + MT_MAX - 1) / MT_MAX;
     octets = act.K / q8act::OCTET;
     G = act.G;
     blocks = act.K / q8act::QBLOCK;
-    q.assign(static_cast<size_t>(tiles) * octets * MT_MAX * 2, 0);
-    corr.assign(static_cast<size_t>(tiles) * G * MT_MAX, 0);
-    d.assign(static_cast<size_t>(tiles) * blocks * MT_MAX, 0.0f);
-    xs.assign(static_cast<size_t>(tiles) * G * MT_MAX, 0.0f);
+    // every element is written below (a tile holds exactly its rows)
+    const size_t M = static_cast<size_t>(act.M);
+    q.resize(M * octets * 2);
+    corr.resize(M * G);
+    d.resize(M * blocks);
+    xs.resize(M * G);
     for (int r = 0; r < act.M; ++r) {
-      const int t = r / MT_MAX, rr = r % MT_MAX;
+      const int t = r / MT_MAX, rr = r % MT_MAX, mt = std::min(MT_MAX, act.M - t * MT_MAX);
       const int32_t* w = reinterpret_cast<const int32_t*>(act.row(r));
       int32_t* tq = q.data() + static_cast<int64_t>(t) * octets * MT_MAX * 2 + rr * 2;
       for (int o = 0; o < octets; ++o) {
-        tq[o * MT_MAX * 2] = w[2 * o];
-        tq[o * MT_MAX * 2 + 1] = w[2 * o + 1];
+        tq[o * mt * 2] = w[2 * o];
+        tq[o * mt * 2 + 1] = w[2 * o + 1];
       }
+      const int64_t tg = static_cast<int64_t>(t) * G * MT_MAX, tb = static_cast<int64_t>(t) * blocks * MT_MAX;
       for (int g = 0; g < G; ++g) {
-        corr[(static_cast<int64_t>(t) * G + g) * MT_MAX + rr] = act.corr[static_cast<int64_t>(r) * G + g];
-        xs[(static_cast<int64_t>(t) * G + g) * MT_MAX + rr] = act.xs[static_cast<int64_t>(r) * G + g];
+        corr[tg + g * mt + rr] = act.corr[static_cast<int64_t>(r) * G + g];
+        xs[tg + g * mt + rr] = act.xs[static_cast<int64_t>(r) * G + g];
       }
-      for (int b = 0; b < blocks; ++b)
-        d[(static_cast<int64_t>(t) * blocks + b) * MT_MAX + rr] = act.d[static_cast<int64_t>(r) * blocks + b];
+      for (int b = 0; b < blocks; ++b) d[tb + b * mt + rr] = act.d[static_cast<int64_t>(r) * blocks + b];
     }
   }
 };
 
-// rows of register tile `t` (its first MT) of one column block (its codes `pk`, its scales `sc`);
+// the MT rows of register tile `t` (MT its height) of one column block (its codes `pk`, its scales `sc`);
 // OG = group / 8 octets per group, a compile-time constant so a group's dot products are
 // straight-line code and every row's two chains stay in registers. The first chain starts at
 // minus the group's offset term (exact integers: the same sum as subtracting it at the end)
@@ -123,17 +127,17 @@ AVX512VNNI void rows(const TiledActivations& ta, int t, const uint8_t* pk, const
     __m512i ia[MT], ib[MT];
 #pragma GCC unroll 8
     for (int r = 0; r < MT; ++r) {
-      ia[r] = _mm512_set1_epi32(-corr[g * MT_MAX + r]);
+      ia[r] = _mm512_set1_epi32(-corr[g * MT + r]);
       ib[r] = _mm512_setzero_si512();
     }
     const uint8_t* pg = pk + static_cast<int64_t>(g) * OG * sb;
-    const int32_t* xg = xq + static_cast<int64_t>(g) * OG * MT_MAX * 2;
+    const int32_t* xg = xq + static_cast<int64_t>(g) * OG * MT * 2;
 #pragma GCC unroll 4
     for (int o = 0; o < OG; ++o) {
       q8act::prefetch_step<BITS>(pg + o * sb, CODE_PREFETCH_BYTES);
       __m512i a, b;
       load_step<BITS>(pg + o * sb, a, b);
-      const int32_t* xo = xg + o * MT_MAX * 2;
+      const int32_t* xo = xg + o * MT * 2;
 #pragma GCC unroll 8
       for (int r = 0; r < MT; ++r) {
         ia[r] = _mm512_dpbusd_epi32(ia[r], a, _mm512_set1_epi32(xo[2 * r]));
@@ -144,13 +148,13 @@ AVX512VNNI void rows(const TiledActivations& ta, int t, const uint8_t* pk, const
     const int db = g * group / q8act::QBLOCK;
 #pragma GCC unroll 8
     for (int r = 0; r < MT; ++r) {
-      const __m512 sd = _mm512_mul_ps(s, _mm512_set1_ps(xd[db * MT_MAX + r]));
+      const __m512 sd = _mm512_mul_ps(s, _mm512_set1_ps(xd[db * MT + r]));
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(ia[r], ib[r])), sd, acc[r]);
     }
     if (sc.has_min()) {
       const __m512 m = min16(sc, g);
 #pragma GCC unroll 8
-      for (int r = 0; r < MT; ++r) acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xs[g * MT_MAX + r]), acc[r]);
+      for (int r = 0; r < MT; ++r) acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xs[g * MT + r]), acc[r]);
     }
   }
 #pragma GCC unroll 8

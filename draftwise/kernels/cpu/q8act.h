@@ -42,11 +42,11 @@ constexpr int64_t step_bytes(int bits) { return bits == 8 ? 128 : 64 + 16 * (bit
 template <int BITS>
 inline void prefetch_step(const uint8_t* p, int64_t ahead) {
   constexpr int64_t sb = step_bytes(BITS);
-  const char* a = reinterpret_cast<const char*>(p + ahead);
-  _mm_prefetch(a, _MM_HINT_T0);
+  const uint8_t* a = p + ahead;
+  prefetch_weights(a);
   if constexpr (sb > 64) {
-    _mm_prefetch(a + 64, _MM_HINT_T0);
-    _mm_prefetch(a + sb - 1, _MM_HINT_T0);
+    prefetch_weights(a + 64);
+    prefetch_weights(a + sb - 1);
   }
 }
 
