@@ -581,51 +581,12 @@ void attend_tile_any(int D, const AttnPair* pairs, int P, int64_t max_len, const
 
 }  // namespace
 
-// q [T, H, D] fp32; caches [S, Hkv, D] fp32, bf16 or fp16 (widened to fp32, exact); out [T, H, D]
-// written for the listed rows.
-// rows[i]: the row; lens[i]: its number of keys; slot_lists[i]: index into `slots` of its request's key
-// slots (the first lens[i] of them are its keys). Rows of one key list share tiles (common.h).
-template <typename T>
-void attend_rows_typed(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
-                       torch::Tensor& out, const std::vector<int64_t>& rows, const std::vector<int64_t>& lens,
-                       const std::vector<int64_t>& slot_lists, const std::vector<torch::Tensor>& slots, double scale) {
-  const int H = q.size(1), D = q.size(2), Hkv = k_cache.size(1), G = H / Hkv;
-  TORCH_CHECK((D == 16 || D == 32 || D == 64 || D == 128 || D == 256) && G <= 64 && k_cache.stride(0) == Hkv * D &&
-              v_cache.stride(0) == Hkv * D, "layout");
-  const float* qp = q.data_ptr<float>();
-  const T* kp = k_cache.data_ptr<T>();
-  const T* vp = v_cache.data_ptr<T>();
-  float* op = out.data_ptr<float>();
-  std::vector<const int64_t*> sp(slots.size());
-  for (size_t i = 0; i < slots.size(); ++i) sp[i] = slots[i].data_ptr<int64_t>();
-  int64_t max_len = 0;
-  for (auto l : lens) max_len = std::max(max_len, l);
-  const int64_t stride = (max_len + 15) / 16 * 16;
-  const std::vector<AttnTile> tiles = attention_tiles(slot_lists, Hkv);
-  const int64_t max_rows = max_tile_rows(tiles);
-  at::parallel_for(0, static_cast<int64_t>(tiles.size()), 1, [&](int64_t w0, int64_t w1) {
-    AttnScratch scratch(max_rows * G, stride, D);
-    std::vector<AttnPair> pairs;
-    for (int64_t w = w0; w < w1; ++w) {
-      const AttnTile& tile = tiles[w];
-      const int64_t len = attention_pairs(tile, rows, lens, qp, op, H, G, D, pairs);
-      attend_tile_any<T>(D, pairs.data(), static_cast<int>(pairs.size()), len, kp + tile.head * D, vp + tile.head * D,
-                         sp[slot_lists[tile.first]], static_cast<int64_t>(Hkv) * D, static_cast<float>(scale),
-                         scratch.scores.get(), stride, scratch.kv.get(), scratch.acc.get(), scratch.mx.get());
-    }
-  });
-}
-
 void attend_rows(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                  torch::Tensor& out, const std::vector<int64_t>& rows, const std::vector<int64_t>& lens,
                  const std::vector<int64_t>& slot_lists, const std::vector<torch::Tensor>& slots, double scale) {
-  const auto dt = k_cache.scalar_type();
-  TORCH_CHECK(q.scalar_type() == torch::kFloat && out.scalar_type() == torch::kFloat && v_cache.scalar_type() == dt &&
-              q.is_contiguous() && out.is_contiguous(), "fp32 contiguous q and out, one cache dtype");
-  if (dt == torch::kFloat) attend_rows_typed<float>(q, k_cache, v_cache, out, rows, lens, slot_lists, slots, scale);
-  else if (dt == torch::kBFloat16) attend_rows_typed<at::BFloat16>(q, k_cache, v_cache, out, rows, lens, slot_lists, slots, scale);
-  else if (dt == torch::kHalf) attend_rows_typed<at::Half>(q, k_cache, v_cache, out, rows, lens, slot_lists, slots, scale);
-  else TORCH_CHECK(false, "attend_rows: cache dtype must be fp32, bf16 or fp16");
+  attend_rows_any(q, k_cache, v_cache, out, rows, lens, slot_lists, slots, scale, [](auto tag, auto&&... args) {
+    attend_tile_any<typename decltype(tag)::type>(args...);
+  });
 }
 
 // --- a decoder layer's elementwise work (layer.h calls these) -------------------------------------
