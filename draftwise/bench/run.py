@@ -5,6 +5,7 @@ speedup over autoregressive decoding measured in the same run, and whether greed
 the autoregressive ones. Writes a Markdown table, a JSON file and a PNG plot."""
 from __future__ import annotations
 
+import dataclasses
 import gc
 import json
 import os
@@ -16,6 +17,7 @@ import torch
 from draftwise.inputs import conversation_prompt
 from draftwise.models.loader import DEFAULT_MODEL
 from draftwise import LLM, SamplingParams
+from draftwise.bench.bandwidth import measure_around
 from draftwise.bench.datasets import load_prompts
 from draftwise.bench.peers import PeerCrashed, make_peer
 from draftwise.engine_args import resolve_quantization
@@ -176,7 +178,6 @@ def build_engine_llm(spec, args, max_num_seqs: int, quantization: str | None = N
 def _constrained(sp, history):
     """`sp`, constrained by the JSON schema the conversation's last prompt carries (the
     json-schema workload), if any."""
-    import dataclasses
     schema = getattr(history[-1]["content"], "schema", None)
     if schema is None:
         return sp
@@ -557,15 +558,18 @@ def run_bench_cli(args) -> int:
             json.dump({"machine": machine_description(), **sw}, f, indent=2)
         plot_sweep(sw, os.path.join(args.out, "sweep.png"))
         return 0
-    results = run_bench(args)
+    if args.threads:
+        torch.set_num_threads(args.threads)          # the bandwidth is measured at the run's threads
+    results, stream = measure_around(args.model, lambda: run_bench(args))
     os.makedirs(args.out, exist_ok=True)
-    md = to_markdown(results, args)
+    md = to_markdown(results, args) + "\n\n" + stream.markdown(results, torch.get_num_threads())
     print(md)
     with open(os.path.join(args.out, "bench.md"), "w") as f:
         f.write(md + "\n")
     slim = [{k: v for k, v in r.items() if k != "outputs"} for r in results]
     with open(os.path.join(args.out, "bench.json"), "w") as f:
-        json.dump({"machine": machine_description(), "args": vars(args) | {"func": None}, "results": slim}, f,
+        json.dump({"machine": machine_description(), "args": vars(args) | {"func": None}, "results": slim,
+                   "weight_stream": dataclasses.asdict(stream)}, f,
                   indent=2, default=str)
     plot(results, os.path.join(args.out, "bench.png"))
     return 0

@@ -27,7 +27,9 @@ def test_bench_runs_methods_side_by_side(tmp_path):
     for r in res:                                   # time to first token and decode speed apart
         assert r["ttft_mean_s"] > 0 and r["decode_tokens_per_s"] > 0
     assert os.path.getsize(os.path.join(out, "bench.png")) > 1000
-    assert "| ngram |" in open(os.path.join(out, "bench.md")).read()
+    md = open(os.path.join(out, "bench.md")).read()
+    assert "| ngram |" in md and "Streaming read bandwidth at" in md
+    assert json.load(open(os.path.join(out, "bench.json")))["weight_stream"]["bandwidth_before_gbs"] > 0
     # quantized targets: speculation is compared with plain decoding of the same weights
     rc = main(["bench", "--model", model, "--methods", "ar,ar@int4,ngram@int4,suffix@int4", "--dataset", str(q),
                "--max-tokens", "12", "--max-model-len", "256", "--out", out])
