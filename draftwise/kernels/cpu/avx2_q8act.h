@@ -97,6 +97,55 @@ DW_AVX2 void rows(const q8act::Activations& act, int r0, const uint8_t* pk, int 
   for (int r = 0; r < MT; ++r) _mm256_storeu_ps(y + static_cast<int64_t>(r) * N + h * 8, acc[r]);
 }
 
+// rows r0 .. r0 + MT - 1 of a whole block of 16 columns, both halves in one pass over the codes:
+// each code step loaded and prefetched once and each activation word broadcast once for the two
+// halves (a decode row's linear is a walk through the codes with little arithmetic per byte). Each
+// half's arithmetic is rows()'s, in the same order: the same bits.
+template <int BITS, int MT, typename S>
+DW_AVX2 void rows_both(const q8act::Activations& act, int r0, const uint8_t* pk, const S& sc, float* y, int64_t N) {
+  const int K = act.K, group = act.group, G = act.G, OG = group / q8act::OCTET;
+  const int64_t sb = q8act::step_bytes(BITS);
+  __m256 acc[MT][2];
+  for (int r = 0; r < MT; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  const int32_t* xq[MT];
+  for (int r = 0; r < MT; ++r) xq[r] = reinterpret_cast<const int32_t*>(act.row(r0 + r));
+  for (int g = 0; g < G; ++g) {
+    __m256i ia[MT][2];
+    for (int r = 0; r < MT; ++r) ia[r][0] = ia[r][1] = _mm256_setzero_si256();
+    for (int o = 0; o < OG; ++o) {
+      const int oct = g * OG + o;
+      q8act::prefetch_step<BITS>(pk + oct * sb, PREFETCH_BYTES);
+      __m256i a0, b0, a1, b1;
+      load_half<BITS>(pk + oct * sb, 0, a0, b0);
+      load_half<BITS>(pk + oct * sb, 1, a1, b1);
+      for (int r = 0; r < MT; ++r) {
+        const int32_t xa = xq[r][2 * oct], xb = xq[r][2 * oct + 1];
+        ia[r][0] = _mm256_add_epi32(ia[r][0], dot_octet<BITS>(a0, b0, xa, xb));
+        ia[r][1] = _mm256_add_epi32(ia[r][1], dot_octet<BITS>(a1, b1, xa, xb));
+      }
+    }
+    const int db = g * group / q8act::QBLOCK;
+    for (int h = 0; h < 2; ++h) {
+      const __m256 s = sc.scale(g, h);
+      for (int r = 0; r < MT; ++r) {
+        const int rr = r0 + r;
+        const __m256i t = _mm256_sub_epi32(ia[r][h], _mm256_set1_epi32(act.corr[rr * G + g]));
+        const __m256 sd = _mm256_mul_ps(s, _mm256_set1_ps(act.d[rr * (K / q8act::QBLOCK) + db]));
+        acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), sd, acc[r][h]);
+      }
+    }
+    if (sc.has_min()) {
+      for (int h = 0; h < 2; ++h) {
+        const __m256 m = sc.min(g, h);
+        for (int r = 0; r < MT; ++r)
+          acc[r][h] = _mm256_fmadd_ps(m, _mm256_set1_ps(act.xs[(r0 + r) * G + g]), acc[r][h]);
+      }
+    }
+  }
+  for (int r = 0; r < MT; ++r)
+    for (int h = 0; h < 2; ++h) _mm256_storeu_ps(y + static_cast<int64_t>(r) * N + h * 8, acc[r][h]);
+}
+
 template <int BITS, typename S>
 DW_AVX2 void rows_any(int mt, const q8act::Activations& act, int r0, const uint8_t* pk, int h, const S& sc, float* y,
                       int64_t N) {
@@ -118,6 +167,10 @@ void column_blocks(const q8act::Activations& act, const uint8_t* codes, const S&
       const int c1 = std::min(M, c0 + q8act::ROW_CHUNK);
       for (int64_t b = b0; b < b1; ++b) {
         const S sc = scales.at(b);
+        if (c1 - c0 == 1) {            // one row: both halves in one pass
+          rows_both<BITS, 1, S>(act, c0, codes + b * block_bytes, sc, y + static_cast<int64_t>(c0) * N + b * NB, N);
+          continue;
+        }
         for (int h = 0; h < 2; ++h)
           for (int r = c0; r < c1; r += MT_MAX)
             rows_any<BITS, S>(std::min(MT_MAX, c1 - r), act, r, codes + b * block_bytes, h, sc,
