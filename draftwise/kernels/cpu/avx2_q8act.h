@@ -61,72 +61,36 @@ DW_AVX2 inline __m256i dot_octet(__m256i a, __m256i b, int32_t xa, int32_t xb) {
   }
 }
 
-// rows r0 .. r0 + MT - 1 of one half-block of 8 columns
-template <int BITS, int MT, typename S>
-DW_AVX2 void rows(const q8act::Activations& act, int r0, const uint8_t* pk, int h, const S& sc, float* y, int64_t N) {
+// rows r0 .. r0 + MT - 1 of NH half-blocks of 8 columns from half h0: one half (register tiles of up
+// to MT_MAX rows), or both halves of a single row in one pass over the codes (each code step loaded
+// and prefetched once, each activation word broadcast once: a decode row's linear is a walk through
+// the codes with little arithmetic per byte). Each half's arithmetic is the same, in the same order.
+template <int BITS, int MT, int NH, typename S>
+DW_AVX2 void rows(const q8act::Activations& act, int r0, const uint8_t* pk, int h0, const S& sc, float* y, int64_t N) {
   const int K = act.K, group = act.group, G = act.G, OG = group / q8act::OCTET;
   const int64_t sb = q8act::step_bytes(BITS);
-  __m256 acc[MT];
-  for (int r = 0; r < MT; ++r) acc[r] = _mm256_setzero_ps();
+  __m256 acc[MT][NH];
+  for (int r = 0; r < MT; ++r)
+    for (int h = 0; h < NH; ++h) acc[r][h] = _mm256_setzero_ps();
   const int32_t* xq[MT];
   for (int r = 0; r < MT; ++r) xq[r] = reinterpret_cast<const int32_t*>(act.row(r0 + r));
   for (int g = 0; g < G; ++g) {
-    __m256i ia[MT];
-    for (int r = 0; r < MT; ++r) ia[r] = _mm256_setzero_si256();
+    __m256i ia[MT][NH];
+    for (int r = 0; r < MT; ++r)
+      for (int h = 0; h < NH; ++h) ia[r][h] = _mm256_setzero_si256();
     for (int o = 0; o < OG; ++o) {
       const int oct = g * OG + o;
       q8act::prefetch_step<BITS>(pk + oct * sb, PREFETCH_BYTES);
-      __m256i a, b;
-      load_half<BITS>(pk + oct * sb, h, a, b);
-      for (int r = 0; r < MT; ++r)
-        ia[r] = _mm256_add_epi32(ia[r], dot_octet<BITS>(a, b, xq[r][2 * oct], xq[r][2 * oct + 1]));
-    }
-    const __m256 s = sc.scale(g, h);
-    const int db = g * group / q8act::QBLOCK;
-    for (int r = 0; r < MT; ++r) {
-      const int rr = r0 + r;
-      const __m256i t = _mm256_sub_epi32(ia[r], _mm256_set1_epi32(act.corr[rr * G + g]));
-      const __m256 sd = _mm256_mul_ps(s, _mm256_set1_ps(act.d[rr * (K / q8act::QBLOCK) + db]));
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), sd, acc[r]);
-    }
-    if (sc.has_min()) {
-      const __m256 m = sc.min(g, h);
-      for (int r = 0; r < MT; ++r) acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(act.xs[(r0 + r) * G + g]), acc[r]);
-    }
-  }
-  for (int r = 0; r < MT; ++r) _mm256_storeu_ps(y + static_cast<int64_t>(r) * N + h * 8, acc[r]);
-}
-
-// rows r0 .. r0 + MT - 1 of a whole block of 16 columns, both halves in one pass over the codes:
-// each code step loaded and prefetched once and each activation word broadcast once for the two
-// halves (a decode row's linear is a walk through the codes with little arithmetic per byte). Each
-// half's arithmetic is rows()'s, in the same order: the same bits.
-template <int BITS, int MT, typename S>
-DW_AVX2 void rows_both(const q8act::Activations& act, int r0, const uint8_t* pk, const S& sc, float* y, int64_t N) {
-  const int K = act.K, group = act.group, G = act.G, OG = group / q8act::OCTET;
-  const int64_t sb = q8act::step_bytes(BITS);
-  __m256 acc[MT][2];
-  for (int r = 0; r < MT; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-  const int32_t* xq[MT];
-  for (int r = 0; r < MT; ++r) xq[r] = reinterpret_cast<const int32_t*>(act.row(r0 + r));
-  for (int g = 0; g < G; ++g) {
-    __m256i ia[MT][2];
-    for (int r = 0; r < MT; ++r) ia[r][0] = ia[r][1] = _mm256_setzero_si256();
-    for (int o = 0; o < OG; ++o) {
-      const int oct = g * OG + o;
-      q8act::prefetch_step<BITS>(pk + oct * sb, PREFETCH_BYTES);
-      __m256i a0, b0, a1, b1;
-      load_half<BITS>(pk + oct * sb, 0, a0, b0);
-      load_half<BITS>(pk + oct * sb, 1, a1, b1);
+      __m256i a[NH], b[NH];
+      for (int h = 0; h < NH; ++h) load_half<BITS>(pk + oct * sb, h0 + h, a[h], b[h]);
       for (int r = 0; r < MT; ++r) {
         const int32_t xa = xq[r][2 * oct], xb = xq[r][2 * oct + 1];
-        ia[r][0] = _mm256_add_epi32(ia[r][0], dot_octet<BITS>(a0, b0, xa, xb));
-        ia[r][1] = _mm256_add_epi32(ia[r][1], dot_octet<BITS>(a1, b1, xa, xb));
+        for (int h = 0; h < NH; ++h) ia[r][h] = _mm256_add_epi32(ia[r][h], dot_octet<BITS>(a[h], b[h], xa, xb));
       }
     }
     const int db = g * group / q8act::QBLOCK;
-    for (int h = 0; h < 2; ++h) {
-      const __m256 s = sc.scale(g, h);
+    for (int h = 0; h < NH; ++h) {
+      const __m256 s = sc.scale(g, h0 + h);
       for (int r = 0; r < MT; ++r) {
         const int rr = r0 + r;
         const __m256i t = _mm256_sub_epi32(ia[r][h], _mm256_set1_epi32(act.corr[rr * G + g]));
@@ -135,25 +99,25 @@ DW_AVX2 void rows_both(const q8act::Activations& act, int r0, const uint8_t* pk,
       }
     }
     if (sc.has_min()) {
-      for (int h = 0; h < 2; ++h) {
-        const __m256 m = sc.min(g, h);
+      for (int h = 0; h < NH; ++h) {
+        const __m256 m = sc.min(g, h0 + h);
         for (int r = 0; r < MT; ++r)
           acc[r][h] = _mm256_fmadd_ps(m, _mm256_set1_ps(act.xs[(r0 + r) * G + g]), acc[r][h]);
       }
     }
   }
   for (int r = 0; r < MT; ++r)
-    for (int h = 0; h < 2; ++h) _mm256_storeu_ps(y + static_cast<int64_t>(r) * N + h * 8, acc[r][h]);
+    for (int h = 0; h < NH; ++h) _mm256_storeu_ps(y + static_cast<int64_t>(r) * N + (h0 + h) * 8, acc[r][h]);
 }
 
 template <int BITS, typename S>
 DW_AVX2 void rows_any(int mt, const q8act::Activations& act, int r0, const uint8_t* pk, int h, const S& sc, float* y,
                       int64_t N) {
   switch (mt) {
-    case 1: rows<BITS, 1, S>(act, r0, pk, h, sc, y, N); break;
-    case 2: rows<BITS, 2, S>(act, r0, pk, h, sc, y, N); break;
-    case 3: rows<BITS, 3, S>(act, r0, pk, h, sc, y, N); break;
-    case 4: rows<BITS, 4, S>(act, r0, pk, h, sc, y, N); break;
+    case 1: rows<BITS, 1, 1, S>(act, r0, pk, h, sc, y, N); break;
+    case 2: rows<BITS, 2, 1, S>(act, r0, pk, h, sc, y, N); break;
+    case 3: rows<BITS, 3, 1, S>(act, r0, pk, h, sc, y, N); break;
+    case 4: rows<BITS, 4, 1, S>(act, r0, pk, h, sc, y, N); break;
     default: break;
   }
 }
@@ -168,7 +132,7 @@ void column_blocks(const q8act::Activations& act, const uint8_t* codes, const S&
       for (int64_t b = b0; b < b1; ++b) {
         const S sc = scales.at(b);
         if (c1 - c0 == 1) {            // one row: both halves in one pass
-          rows_both<BITS, 1, S>(act, c0, codes + b * block_bytes, sc, y + static_cast<int64_t>(c0) * N + b * NB, N);
+          rows<BITS, 1, 2, S>(act, c0, codes + b * block_bytes, 0, sc, y + static_cast<int64_t>(c0) * N + b * NB, N);
           continue;
         }
         for (int h = 0; h < 2; ++h)

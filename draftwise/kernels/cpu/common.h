@@ -31,8 +31,8 @@ constexpr int PREFETCH_BYTES = 2048;
 // a weight stream's cache line asked for ahead of use, into L2 (T1), not L1: a kernel streaming
 // from DRAM keeps dozens of lines in flight, more than L1's miss buffers hold, and a prefetch into
 // L1 then stalls the loads behind it. Measured on Zen 4 (one row, weights 4x the L3): Q4_K / Q6_K
-// linears of Qwen2.5-1.5B's shapes streamed 15-17 GB/s per core with T0, 21-27 with T1; its LM
-// head 34.7 -> 47 GB/s at 2 threads (a plain sum streams 28 / 50 GB/s at 1 / 2 threads)
+// linears of Qwen2.5-1.5B's shapes streamed 13-17 GB/s per core with T0, 21-28 with T1 (a plain sum
+// streams ~28); at 2 threads 20-31 -> 30-44 GB/s
 inline void prefetch_weights(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T1); }
 
 // rows [0, M) in parallel chunks of at least ROW_GRAIN rows (fewer run on the calling thread); each
