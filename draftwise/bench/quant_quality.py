@@ -80,11 +80,14 @@ def main(argv=None) -> dict:
     p.add_argument("--conversations", type=int, default=32)
     p.add_argument("--max-len", type=int, default=512)
     p.add_argument("--chunk", type=int, default=16, help="tokens per forward when scoring")
-    p.add_argument("--dataset", default="../shared/data/mt_bench/question.jsonl")
+    p.add_argument("--dataset", default=None,
+                   help="prompts (a JSONL such as MT-bench's question.jsonl) for the greedy agreement check")
     p.add_argument("--prompts", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--threads", type=int, default=None)
     a = p.parse_args(argv)
+    if a.prompts > 0 and not a.dataset:
+        p.error("--dataset PATH is needed for the greedy agreement check (or --prompts 0: perplexity only)")
     if a.threads:
         torch.set_num_threads(a.threads)
     # --prompts 0: perplexity only

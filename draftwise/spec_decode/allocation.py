@@ -21,7 +21,8 @@ every verified token costs about what a decoded one does and only near-certain d
   drafters' path probability; 1 where a drafter gives none) *calibrated online*: each node's
   acceptance given its parent's is counted per (drafter, position bucket, estimate bin) with
   exponential decay, starting from the estimate itself as a prior, and a node's acceptance is the
-  product along its path - so an over-confident drafter is corrected within a few hundred drafts,
+  product along its path - so a drafter never verified yet has its first nodes tried (an
+  under-confident drafter would otherwise be cut before it could show its rate), an over-confident drafter is corrected within a few hundred drafts,
   a drafter without estimates learns its acceptance per position, and a depth rarely verified
   borrows the rate of the depth above it.
 """
@@ -33,6 +34,7 @@ from draftwise.spec_decode.draft import Draft
 
 NUM_BINS = 10                      # estimate bins: [0, 0.1), ..., [0.9, 1]
 POSITION_BUCKETS = (0, 1, 2, 4, 8)  # node depth buckets: 0, 1, 2-3, 4-7, 8+
+UNTRIED_RATE = (NUM_BINS - 0.5) / NUM_BINS   # a node of a drafter never verified: worth a try
 
 
 def monotone(points: list[tuple[int, float]]) -> list[tuple[int, float]]:
@@ -140,8 +142,12 @@ class AcceptanceCalibration:
 
     def rate(self, source: str, depth: int, estimate: float) -> float:
         """P(a node at `depth` is accepted | its parent was), for a drafter estimate of that
-        conditional probability."""
+        conditional probability. A drafter with no verified node yet gets its first nodes tried:
+        were its estimates low (a model unsure of itself), its drafts would be cut before any
+        was verified and its rate never learned."""
         bucket = _position_bucket(depth)
+        if bucket == 0 and (source, 0) not in self.groups:
+            return max(estimate, UNTRIED_RATE)
         group = self._group_rate(source, bucket, estimate)
         acc, seen = self.cells.get((source, bucket, _bin(estimate)), (0.0, 0.0))
         return (acc + self.prior_weight * group) / (seen + self.prior_weight)
@@ -177,18 +183,18 @@ class AcceptanceCalibration:
 
     def chain(self, source: str, length: int) -> list[float]:
         """What `source`'s `length`-node chain is expected to have accepted, node by node: the
-        product of its groups' conditional rates along the depths (0.95 per node before anything
-        of `source` was observed)."""
+        product of its groups' conditional rates along the depths (UNTRIED_RATE per node before
+        anything of `source` was observed)."""
         out, prev = [], 1.0
         for d in range(length):
-            prev *= self._group_rate(source, _position_bucket(d), (NUM_BINS - 0.5) / NUM_BINS)
+            prev *= self._group_rate(source, _position_bucket(d), UNTRIED_RATE)
             out.append(prev)
         return out
 
     def mean_chain(self, length: int) -> list[float]:
         """What a drafter's `length`-node chain is expected to have accepted, node by node
         (non-increasing): the product of its groups' conditional rates along the depths, for the
-        drafter with the best chain; 0.95 per node conditional before anything is observed (so a
+        drafter with the best chain; UNTRIED_RATE per node conditional before anything is observed (so a
         new drafter is tried)."""
         best: list[float] = []
         for src in {s for (s, _) in self.groups} or {None}:

@@ -5,7 +5,8 @@ import random
 
 import pytest
 
-from draftwise.spec_decode.allocation import AcceptanceCalibration, DraftAllocator, StepCosts, allocate
+from draftwise.spec_decode.allocation import (UNTRIED_RATE, AcceptanceCalibration, DraftAllocator, StepCosts,
+                                              allocate)
 from draftwise.spec_decode.draft import Draft
 
 
@@ -81,6 +82,23 @@ def test_calibration_learns_an_over_confident_drafter():
     assert a0 > 0.9 and 0.4 < a1 < 0.6
 
 
+def test_a_drafter_never_verified_has_its_first_nodes_tried():
+    """A drafter unsure of itself (a draft model's flat distribution) would be cut at every step if
+    its own estimates were trusted before any of its nodes was verified: its rate would never be
+    learned. Its first node is tried until one is; then its cells learn from what was verified."""
+    cal = AcceptanceCalibration()
+    d = Draft.chain([1, 2, 3], "draft_model", [0.02, 0.0004, 0.00001])
+    est = cal.estimates(d)
+    assert allocate([est], 1, 1, lambda t: 1.0 + 0.1 * t) == [1]
+    for _ in range(20):
+        cal.observe(d, 3)                           # every node accepted
+    est = cal.estimates(d)
+    assert est[0] > 0.7 and est[2] > 0.3
+    assert allocate([est], 1, 1, lambda t: 1.0 + 0.1 * t) == [3]
+    # another drafter's verified nodes do not make this one tried
+    assert cal.estimates(Draft.chain([4], "suffix", [0.02]))[0] == pytest.approx(UNTRIED_RATE)
+
+
 def test_a_depth_rarely_verified_borrows_the_rate_of_the_depth_above():
     cal = AcceptanceCalibration(decay=1.0)
     one = Draft.chain([1], "suffix", [0.7])
@@ -152,6 +170,7 @@ def test_scheduler_verifies_the_allocated_part_of_each_draft():
         s.request.append_output(7)
     reqs[0].draft = Draft.chain([5, 6, 7, 8], "suffix", [0.97, 0.95, 0.4, 0.1])
     reqs[1].draft = Draft.chain([9, 9], "suffix", [0.3, 0.1])
+    sched.draft_allocator.calibration.groups[("suffix", 0)] = [0.0, 0.0, 0.0]   # tried: estimates stand
     out = sched.schedule()
     by_id = {s.request.request_id: s for s in out.scheduled}
     assert by_id["0"].num_draft_tokens == 2 and by_id["0"].token_ids == [7, 5, 6]
