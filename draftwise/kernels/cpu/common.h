@@ -17,6 +17,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <utility>
 #include <vector>
 
 namespace draftwise {
@@ -150,6 +151,30 @@ struct AttnScratch {
 };
 
 // the most rows any tile holds
+// the tiles each thread runs: longest first, each to the thread with the least work so far
+// (work: a tile's rows x its longest key count). A causal prompt's tiles grow with their position;
+// split into contiguous ranges the thread holding the end of the prompt would do ~3/4 of the work.
+// Which thread runs a tile never changes its bits.
+inline std::vector<std::vector<int64_t>> tiles_by_thread(const std::vector<AttnTile>& tiles,
+                                                         const std::vector<int64_t>& lens, int64_t threads) {
+  std::vector<std::vector<int64_t>> out(static_cast<size_t>(std::max<int64_t>(1, threads)));
+  std::vector<std::pair<int64_t, int64_t>> order;               // (-work, tile)
+  order.reserve(tiles.size());
+  for (size_t w = 0; w < tiles.size(); ++w) {
+    int64_t keys = 0;
+    for (int64_t i = tiles[w].first; i < tiles[w].first + tiles[w].rows; ++i) keys = std::max(keys, lens[i]);
+    order.push_back({-tiles[w].rows * keys, static_cast<int64_t>(w)});
+  }
+  std::sort(order.begin(), order.end());
+  std::vector<int64_t> load(out.size(), 0);
+  for (const auto& [neg_work, w] : order) {
+    const size_t t = static_cast<size_t>(std::min_element(load.begin(), load.end()) - load.begin());
+    out[t].push_back(w);
+    load[t] -= neg_work;
+  }
+  return out;
+}
+
 inline int64_t max_tile_rows(const std::vector<AttnTile>& tiles) {
   int64_t r = 1;
   for (const auto& t : tiles) r = std::max(r, t.rows);
@@ -199,10 +224,11 @@ void attend_rows_typed(const torch::Tensor& q, const torch::Tensor& k_cache, con
   const int64_t stride = (max_len + 15) / 16 * 16;
   const std::vector<AttnTile> tiles = attention_tiles(slot_lists, Hkv);
   const int64_t max_rows = max_tile_rows(tiles);
-  at::parallel_for(0, static_cast<int64_t>(tiles.size()), 1, [&](int64_t w0, int64_t w1) {
+  const auto assigned = tiles_by_thread(tiles, lens, std::min<int64_t>(at::get_num_threads(), tiles.size()));
+  at::parallel_for(0, static_cast<int64_t>(assigned.size()), 1, [&](int64_t t0, int64_t t1) {
     AttnScratch scratch(max_rows * G, stride, D);
     std::vector<AttnPair> pairs;
-    for (int64_t w = w0; w < w1; ++w) {
+    for (int64_t t = t0; t < t1; ++t) for (const int64_t w : assigned[t]) {
       const AttnTile& tile = tiles[w];
       const int64_t len = attention_pairs(tile, rows, lens, qp, op, H, G, D, pairs);
       tile_fn(TypeTag<T>{}, D, pairs.data(), static_cast<int>(pairs.size()), len, kp + tile.head * D,
