@@ -7,6 +7,8 @@ same slots: `slot = block_table[pos // block_size] * block_size + pos % block_si
 """
 from __future__ import annotations
 
+import mmap
+
 import torch
 
 
@@ -21,7 +23,7 @@ class KVCache:
             groups.setdefault(spec, []).append(i)
         self._layers: list = [None] * len(self.layer_specs)
         for (hkv, hd), idxs in groups.items():
-            t = torch.zeros(len(idxs), 2, self.num_slots, hkv, hd, dtype=dtype, device=device)
+            t = pool_zeros((len(idxs), 2, self.num_slots, hkv, hd), dtype, device)
             for j, li in enumerate(idxs):
                 self._layers[li] = (t[j, 0], t[j, 1])
 
@@ -39,3 +41,23 @@ class KVCache:
             k, v = self._layers[i]
             k.index_copy_(0, dst, k[src])
             v.index_copy_(0, dst, v[src])
+
+
+HUGE_PAGE = 2 << 20
+
+
+def pool_zeros(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
+    """A zeroed KV pool. On a Linux CPU, backed by memory the kernel is asked to map with 2 MiB
+    pages (madvise MADV_HUGEPAGE; transparent huge pages are often "madvise"-only): a decode
+    step's attention reads its keys and values from blocks scattered over the whole pool, and with
+    4 KiB pages nearly every block costs a TLB miss (SmolLM2, 16 requests, 30 layers: 194 -> 150 us
+    per layer's attention at one thread). Elsewhere, or where that fails, plain torch.zeros."""
+    nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+    if torch.device(device).type != "cpu" or nbytes < HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return torch.zeros(shape, dtype=dtype, device=device)
+    try:
+        buf = mmap.mmap(-1, nbytes)                      # anonymous: zero-filled, faulted in on first use
+        buf.madvise(mmap.MADV_HUGEPAGE)
+    except (OSError, ValueError):
+        return torch.zeros(shape, dtype=dtype, device=device)
+    return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).view(shape)   # the tensor keeps buf alive

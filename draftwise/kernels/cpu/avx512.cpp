@@ -507,7 +507,12 @@ AVX512F void attend_tile(const AttnPair* pairs, int P, int64_t max_len, const T*
   constexpr int VB = D >= 256 ? 16 : 4096 / D;            // values per block: 16 KB of fp32
   const __m512 scale_v = _mm512_set1_ps(scale);
   for (int p = 0; p < P; ++p) _mm512_storeu_ps(mx_buf + p * 16, _mm512_set1_ps(-INFINITY));
+  prefetch_rows(kc, slots, 0, std::min(max_len, ATTN_PREFETCH_KEYS), slot_stride, D);
   for (int64_t j0 = 0; j0 < max_len; j0 += 16) {
+    // the keys ATTN_PREFETCH_KEYS ahead, and this block's values (summed after the scores)
+    prefetch_rows(kc, slots, std::min(max_len, j0 + ATTN_PREFETCH_KEYS), std::min(max_len, j0 + ATTN_PREFETCH_KEYS + 16),
+                  slot_stride, D);
+    prefetch_rows(vc, slots, j0, std::min(max_len, j0 + 16), slot_stride, D);
     widen_rows<T, DV>(kc, slots + j0, static_cast<int>(std::min<int64_t>(16, max_len - j0)), slot_stride, kv);
     for (int p = 0; p < P; ++p) {
       if (pairs[p].len <= j0) continue;

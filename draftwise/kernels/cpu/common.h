@@ -36,6 +36,19 @@ constexpr int PREFETCH_BYTES = 2048;
 // streams ~28); at 2 threads 20-31 -> 30-44 GB/s
 inline void prefetch_weights(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T1); }
 
+// cache rows of one KV head, keys [from, to) of a key list, asked for into L2 ahead of use. A
+// tile's keys and values lie in scattered blocks of a pool far larger than the caches: read as
+// they are needed, a decode step's attention waited on DRAM latency key by key (~5 GB/s per core).
+template <typename T>
+inline void prefetch_rows(const T* c, const int64_t* slots, int64_t from, int64_t to, int64_t slot_stride, int D) {
+  const int64_t bytes = static_cast<int64_t>(D) * sizeof(T);
+  for (int64_t j = from; j < to; ++j) {
+    const char* row = reinterpret_cast<const char*>(c + slots[j] * slot_stride);
+    for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(row + b, _MM_HINT_T1);
+  }
+}
+constexpr int64_t ATTN_PREFETCH_KEYS = 64;   // how far ahead of the key being scored
+
 // rows [0, M) in parallel chunks of at least ROW_GRAIN rows (fewer run on the calling thread); each
 // row's arithmetic is the same whichever thread does it
 constexpr int64_t ROW_GRAIN = 8;
@@ -197,7 +210,7 @@ inline int64_t attention_pairs(const AttnTile& tile, const std::vector<int64_t>&
 // The attention of the listed rows, the same for every ISA: the tiles of the call (above) in
 // parallel, each scored and summed by the ISA's `tile_fn(TypeTag<T>, D, pairs, P, max_len, kc, vc,
 // slots, slot_stride, scale, scores, stride, kv, acc, mx)` over cache element type T.
-// q [T, H, D] fp32; caches [S, Hkv, D] fp32, bf16 or fp16 (widened to fp32, exact); out [T, H, D]
+// q [T, H, D] fp32; caches [S, Hkv, D] (any slot and head strides, rows contiguous) fp32, bf16 or fp16 (widened to fp32, exact); out [T, H, D]
 // written for the listed rows. rows[i]: the row; lens[i]: its number of keys; slot_lists[i]: index
 // into `slots` of its request's key slots (the first lens[i] of them are its keys).
 template <typename T>
@@ -211,8 +224,9 @@ void attend_rows_typed(const torch::Tensor& q, const torch::Tensor& k_cache, con
                        const std::vector<int64_t>& slot_lists, const std::vector<torch::Tensor>& slots, double scale,
                        const F& tile_fn) {
   const int H = q.size(1), D = q.size(2), Hkv = k_cache.size(1), G = H / Hkv;
-  TORCH_CHECK((D == 16 || D == 32 || D == 64 || D == 128 || D == 256) && G <= 64 && k_cache.stride(0) == Hkv * D &&
-              v_cache.stride(0) == Hkv * D, "layout");
+  TORCH_CHECK((D == 16 || D == 32 || D == 64 || D == 128 || D == 256) && G <= 64 && k_cache.stride(2) == 1 &&
+              v_cache.strides() == k_cache.strides(), "layout");
+  const int64_t slot_stride = k_cache.stride(0), head_stride = k_cache.stride(1);
   const float* qp = q.data_ptr<float>();
   const T* kp = k_cache.data_ptr<T>();
   const T* vp = v_cache.data_ptr<T>();
@@ -228,11 +242,16 @@ void attend_rows_typed(const torch::Tensor& q, const torch::Tensor& k_cache, con
   at::parallel_for(0, static_cast<int64_t>(assigned.size()), 1, [&](int64_t t0, int64_t t1) {
     AttnScratch scratch(max_rows * G, stride, D);
     std::vector<AttnPair> pairs;
-    for (int64_t t = t0; t < t1; ++t) for (const int64_t w : assigned[t]) {
-      const AttnTile& tile = tiles[w];
+    for (int64_t t = t0; t < t1; ++t) for (size_t i = 0; i < assigned[t].size(); ++i) {
+      const AttnTile& tile = tiles[assigned[t][i]];
+      if (i + 1 < assigned[t].size()) {      // the next tile's first keys, while this one runs
+        const AttnTile& next = tiles[assigned[t][i + 1]];
+        prefetch_rows(kp + next.head * head_stride, sp[slot_lists[next.first]], 0,
+                      std::min(lens[next.first], ATTN_PREFETCH_KEYS), slot_stride, D);
+      }
       const int64_t len = attention_pairs(tile, rows, lens, qp, op, H, G, D, pairs);
-      tile_fn(TypeTag<T>{}, D, pairs.data(), static_cast<int>(pairs.size()), len, kp + tile.head * D,
-              vp + tile.head * D, sp[slot_lists[tile.first]], static_cast<int64_t>(Hkv) * D, static_cast<float>(scale),
+      tile_fn(TypeTag<T>{}, D, pairs.data(), static_cast<int>(pairs.size()), len, kp + tile.head * head_stride,
+              vp + tile.head * head_stride, sp[slot_lists[tile.first]], slot_stride, static_cast<float>(scale),
               scratch.scores.get(), stride, scratch.kv.get(), scratch.acc.get(), scratch.mx.get());
     }
   });
