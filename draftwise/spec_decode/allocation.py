@@ -22,7 +22,8 @@ every verified token costs about what a decoded one does and only near-certain d
   acceptance given its parent's is counted per (drafter, position bucket, estimate bin) with
   exponential decay, starting from the estimate itself as a prior, and a node's acceptance is the
   product along its path - so a drafter never verified yet has its first nodes tried (an
-  under-confident drafter would otherwise be cut before it could show its rate), an over-confident drafter is corrected within a few hundred drafts,
+  under-confident drafter would otherwise be cut before it could show its rate), an
+  over-confident drafter is corrected within a few hundred drafts,
   a drafter without estimates learns its acceptance per position, and a depth rarely verified
   borrows the rate of the depth above it.
 """

@@ -210,7 +210,8 @@ inline int64_t attention_pairs(const AttnTile& tile, const std::vector<int64_t>&
 // The attention of the listed rows, the same for every ISA: the tiles of the call (above) in
 // parallel, each scored and summed by the ISA's `tile_fn(TypeTag<T>, D, pairs, P, max_len, kc, vc,
 // slots, slot_stride, scale, scores, stride, kv, acc, mx)` over cache element type T.
-// q [T, H, D] fp32; caches [S, Hkv, D] (any slot and head strides, rows contiguous) fp32, bf16 or fp16 (widened to fp32, exact); out [T, H, D]
+// q [T, H, D] fp32; caches [S, Hkv, D] fp32, bf16 or fp16 (any slot and head strides, each row
+// contiguous; widened to fp32, exact); out [T, H, D]
 // written for the listed rows. rows[i]: the row; lens[i]: its number of keys; slot_lists[i]: index
 // into `slots` of its request's key slots (the first lens[i] of them are its keys).
 template <typename T>
