@@ -268,6 +268,7 @@ class DraftAllocator:
     EXPLORE_EVERY = 8
     MAX_EXPLORE_EVERY = 64
     EXPLORE_REQUESTS = 2                   # an exploring step drafts for this many requests at most
+    EXPLORE_NODES = 2                      # ... and verifies at least this many nodes of each
 
     def __init__(self, costs: StepCosts, calibration: AcceptanceCalibration | None = None):
         self.costs = costs
@@ -279,6 +280,7 @@ class DraftAllocator:
         self._skips_in_row = 0
         self._explore_every = self.EXPLORE_EVERY
         self._exploring = False
+        self._awaiting_exploration = False  # forced exploration nodes are being verified
         self.explore_requests: int | None = None   # the next drafting step's request limit (None: all)
         self.draft_seconds = 0.0           # decayed mean of a step's drafting seconds
         self.longest_draft = 1             # nodes of the longest draft offered so far (at most 32)
@@ -308,10 +310,11 @@ class DraftAllocator:
             expected += requests * p
             with_one = max(with_one, expected / (self.costs(fixed_tokens + requests * n) + self.draft_seconds))
         # a skipped step still drafts now and then, so the calibration keeps learning what drafts
-        # are worth now (text turns repetitive, the batch shrinks): after EXPLORE_EVERY skipped
-        # steps, backing off to MAX_EXPLORE_EVERY while explorations keep nothing
-        # - and drafts for a couple of requests only: in a large batch, drafting for every request
-        # to learn what one request's drafts would tell costs a good part of a step
+        # are worth now (text turns repetitive, the batch shrinks, the first few drafts were
+        # unlucky): after EXPLORE_EVERY skipped steps, backing off to MAX_EXPLORE_EVERY while
+        # explorations find nothing accepted - and drafts for a couple of requests only: in a
+        # large batch, drafting for every request to learn what one request's drafts would tell
+        # costs a good part of a step
         explore = with_one <= base and self._skips_in_row + 1 >= self._explore_every
         worth = with_one > base or explore
         self._exploring = explore
@@ -345,16 +348,35 @@ class DraftAllocator:
             lengths = [len(a) for a in accept]
         else:
             lengths = allocate(accept, fixed_tokens, sampled, self.costs)
+        if self._exploring:
+            self._exploring = False
+            if sum(lengths):
+                self._explore_every = self.EXPLORE_EVERY
+            else:
+                # the calibration cuts every draft: verify the first nodes of a couple anyway, or
+                # a drafter whose first drafts were unlucky would never be verified again and
+                # its calibrated rate never recover (observe() backs off or resets by the result)
+                lengths = self._forced(accept)
+                self._awaiting_exploration = any(lengths)
+                if not self._awaiting_exploration:
+                    self._explore_every = min(self.MAX_EXPLORE_EVERY, 2 * self._explore_every)
         self.steps += 1
         self.offered += sum(len(a) for a in accept)
         self.kept += sum(lengths)
-        if self._exploring:
-            self._explore_every = (self.EXPLORE_EVERY if sum(lengths) else
-                                   min(self.MAX_EXPLORE_EVERY, 2 * self._explore_every))
-            self._exploring = False
+        return lengths
+
+    def _forced(self, accept: list[list[float]]) -> list[int]:
+        lengths, left = [0] * len(accept), self.EXPLORE_REQUESTS
+        for i, row in enumerate(accept):
+            if row and left:
+                lengths[i], left = min(len(row), self.EXPLORE_NODES), left - 1
         return lengths
 
     def observe(self, draft: Draft | None, num_accepted: int) -> None:
+        if self._awaiting_exploration and draft is not None:
+            self._awaiting_exploration = False
+            self._explore_every = (self.EXPLORE_EVERY if num_accepted else
+                                   min(self.MAX_EXPLORE_EVERY, 2 * self._explore_every))
         self.calibration.observe(draft, num_accepted)
 
     def table(self) -> dict:

@@ -131,19 +131,48 @@ def test_drafting_is_skipped_where_it_cannot_pay_but_still_explored():
     # an exploring step drafts for a couple of the 16 requests, not all
     assert [lim for d, lim in zip(decisions, limits) if d] == [DraftAllocator.EXPLORE_REQUESTS] * 2
     assert all(lim is None for d, lim in zip(decisions, limits) if not d)
-    # explorations that keep nothing back off: 8, 16, 32, ... skipped steps between them
+    # an exploration verifies the first nodes of a couple of drafts even where the calibration
+    # cuts them all; explorations whose nodes are rejected back off: 8, 16, 32, ... skipped steps
     al2 = DraftAllocator(StepCosts({1: 0.001, 64: 0.064}))
     for _ in range(300):
         al2.observe(d, 0)
     explored = []
+    two = Draft.chain([1, 2, 3], "suffix", [0.5, 0.25, 0.1])
     for step in range(8 + 16 + 32 + 64 + 64):
         if al2.worth_drafting(16, 16):
             explored.append(step)
-            assert al2.choose([d] * 16, 16, 16) == [0] * 16
+            lengths = al2.choose([two] * 16, 16, 16)
+            assert lengths == [DraftAllocator.EXPLORE_NODES] * DraftAllocator.EXPLORE_REQUESTS + [0] * 14
+            for _ in range(DraftAllocator.EXPLORE_REQUESTS):
+                al2.observe(two.truncated(DraftAllocator.EXPLORE_NODES), 0)
     assert explored == [7, 7 + 16, 7 + 16 + 32, 7 + 16 + 32 + 64, 7 + 16 + 32 + 64 + 64]
     cheap = DraftAllocator(StepCosts({1: 0.010, 64: 0.011}))   # memory-bound: verification is free
     assert all(cheap.worth_drafting(16, 16) for _ in range(16))
     assert cheap.explore_requests is None                      # drafting that pays drafts for all
+
+
+def test_a_drafter_whose_first_drafts_were_rejected_is_drafting_again_once_its_explorations_are_accepted():
+    # verification costs: 2 rows 1.5x one, 3 rows 2x (a compute-bound CPU core): a first node pays
+    # only above ~0.5 acceptance. Two unlucky first drafts (a warm-up on a meaningless prompt) put
+    # the calibrated rate below that, so no step drafts; explorations must still verify something
+    al = DraftAllocator(StepCosts({1: 0.006, 2: 0.009, 4: 0.015, 8: 0.027}))
+    low = Draft.chain([5, 6], "suffix", [0.25, 0.1])
+    al.choose([low], 1, 1)
+    al.observe(low, 0)
+    al.observe(low, 0)
+    chain = Draft.chain([1, 2, 3, 4], "suffix", [0.3, 0.15, 0.1, 0.05])   # under-confident estimates
+    kept = {}
+    for step in range(200):
+        if not al.worth_drafting(1, 1):
+            continue
+        (k,) = al.choose([chain], 1, 1)
+        if k:
+            kept[step] = k
+            al.observe(chain.truncated(k), k)          # the text is repetitive: every node accepted
+    assert min(kept) == DraftAllocator.EXPLORE_EVERY - 1
+    # accepted explorations keep the interval short until the calibration pays by itself; within
+    # 50 steps every step drafts the whole chain
+    assert all(kept.get(step) == 4 for step in range(50, 200))
 
 
 def test_a_request_limited_drafting_step_takes_the_requests_in_turn():
