@@ -301,19 +301,31 @@ def _(x, q8, scale, use_amx):
     return x.new_empty((x.shape[0], q8.shape[0] * 16), dtype=torch.float32)
 
 
+HIGH_BITS = ("masks", "shifts")    # where a 5- or 6-bit dot layout keeps its codes' bits above the nibble
+
+
+def high_bits_for(isa_name: str | None = None) -> str:
+    """The high-bit arrangement the kernels of `isa_name` (default: the running ISA) read: AVX2's
+    shifts, the AVX-512 kernels' (and PyTorch's fallback) masks. Weights are packed for the ISA that
+    will run them, as llama.cpp repacks its blocks per ISA at load."""
+    return "shifts" if (isa_name or isa()) == "avx2" else "masks"
+
+
 def pack_affine(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor | None, group: int, bits: int,
-                offset: int, factors=None):
+                offset: int, factors=None, high_bits: str | None = None):
     """A GroupAffine weight (draftwise/formats) -> the int8-activation kernels' dot layout
     (cpu/q8act.h): (codes, scale, minimum, offset).
 
     codes: per block of 16 output columns and octet o of inputs, 4- to 6-bit codes as uint8
     [N/16, K/8, 64 + 16 (bits - 4)] (byte 4j + i = code[j][8o + i] | code[j][8o + 4 + i] << 4, then
-    per bit above 3 two 64-bit masks); int8 codes as [N/16, K/8, 128] (two quads of code - offset,
-    byte 4j + i = input 4h + i; the offset returned is then 0). Codes of 8 bits that fit in 6 (GGUF
-    Q6_K's q - 32) are stored in 6, offset 32. scale / minimum: the super-block factors where given
-    (uint8 [N/16, K/256, 32 + 16 * 256/group]: per super-block 16 fp16 d, then the int8 sub-scales),
-    else [N/16, K/group, 16] in fp16 where every value is exact in it (the legacy families' own fp16
+    the bits above 3 in the `high_bits` arrangement, default high_bits_for() - see
+    _high_bit_places); int8 codes as [N/16, K/8, 128] (two quads of code - offset, byte 4j + i =
+    input 4h + i; the offset returned is then 0). Codes of 8 bits that fit in 6 (GGUF Q6_K's q - 32)
+    are stored in 6, offset 32. scale / minimum: the super-block factors where given (uint8
+    [N/16, K/256, 32 + 16 * 256/group]: per super-block 16 fp16 d, then the int8 sub-scales), else
+    [N/16, K/group, 16] in fp16 where every value is exact in it (the legacy families' own fp16
     numbers), else fp32; minimum empty where the family has none."""
+    high_bits = high_bits or high_bits_for()
     N, K = codes.shape
     if bits == 8 and int(codes.min()) - offset >= -32 and int(codes.max()) - offset <= 31:
         bits, shift = 6, 32 - offset           # stored as code - offset + 32, offset 32
@@ -324,7 +336,7 @@ def pack_affine(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor 
     # in slices of rows: the temporaries of a 150k-row LM head stay a few MB
     rows = max(16, (PACK_SLICE_BYTES // max(K, 1)) // 16 * 16)
     for r0 in range(0, N, rows):
-        packed[r0 // 16:(r0 + rows) // 16] = _pack_codes(codes[r0:r0 + rows], bits, offset, shift)
+        packed[r0 // 16:(r0 + rows) // 16] = _pack_codes(codes[r0:r0 + rows], bits, offset, shift, high_bits)
     if shift:
         offset = 32
     elif bits == 8:
@@ -347,19 +359,48 @@ def pack_affine(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor 
 PACK_SLICE_BYTES = 1 << 23      # codes packed at a time
 
 
-def _pack_codes(codes: torch.Tensor, bits: int, offset: int, shift: int) -> torch.Tensor:
+def _high_bit_places(planes: int, high_bits: str) -> torch.Tensor:
+    """Where a step keeps its codes' bits above the nibble: for bit 4 + t of the step's code n =
+    8j + 4s + i (column j of the block, s: inputs 0-3 or 4-7 of the octet, i: the input within them;
+    its nibble is byte 4j + i's low or high one by s), its place byte * 8 + bit among the step's
+    high-bit bytes ([planes, 128] int64).
+
+    masks (read by AVX-512 mask registers): per plane two 64-bit masks, bit 4j + i of mask s.
+    shifts (AVX2: one load, then a shift and an and per 32 codes), with h = j // 8 the code's
+    half-block and u = 4 (j % 8) + i its byte within the half (the byte of 32 a 256-bit register
+    holds for a, b = s 0, 1):
+      6-bit: 32 bytes of 2-bit crumbs, byte u, crumb 2h + s holds bits 4-5;
+      5-bit: 16 bytes read into both 128-bit lanes, byte u % 16, bit 2 (2h + s) + u // 16."""
+    j, s, i = torch.meshgrid(torch.arange(16), torch.arange(2), torch.arange(4), indexing="ij")
+    j, s, i = j.reshape(-1), s.reshape(-1), i.reshape(-1)
+    t = torch.arange(planes)[:, None]
+    if high_bits == "masks":
+        return (16 * t + 8 * s + (4 * j + i) // 8) * 8 + (4 * j + i) % 8
+    if high_bits != "shifts":
+        raise ValueError(f"high_bits: one of {HIGH_BITS}, not {high_bits!r}")
+    h, u = j // 8, 4 * (j % 8) + i
+    if planes == 2:
+        return u * 8 + 2 * (2 * h + s) + t
+    return ((u % 16) * 8 + 2 * (2 * h + s) + u // 16).expand(planes, -1)
+
+
+def _pack_codes(codes: torch.Tensor, bits: int, offset: int, shift: int, high_bits: str) -> torch.Tensor:
     """Rows [n, K] (n a multiple of 16) of codes -> their dot-layout column blocks."""
     N, K = codes.shape
     if bits == 8:
         c = (codes.to(torch.int16) - offset).to(torch.int8).reshape(N // 16, 16, K // 4, 4)
         return c.permute(0, 2, 1, 3).reshape(N // 16, K // 8, 128)
     c = (codes.to(torch.int16) + shift).to(torch.uint8) if shift else codes.to(torch.uint8)
-    c = c.reshape(N // 16, 16, K // 8, 2, 4)                                            # [B, j, o, half, i]
+    c = c.reshape(N // 16, 16, K // 8, 2, 4)                                            # [B, j, o, s, i]
     nib = (c[:, :, :, 0] & 15) | ((c[:, :, :, 1] & 15) << 4)                           # [B, j, o, i]
     steps = [nib.permute(0, 2, 1, 3).reshape(N // 16, K // 8, 64)]
-    for t in range(bits - 4):                                                           # a mask pair per high bit
-        hi = ((c >> (4 + t)) & 1).permute(0, 2, 3, 1, 4).reshape(N // 16, K // 8, 2, 8, 8)
-        steps.append((hi << torch.arange(8, dtype=torch.uint8)).sum(-1, dtype=torch.uint8).reshape(N // 16, K // 8, 16))
+    planes = bits - 4
+    if planes:
+        by_step = c.permute(0, 2, 1, 3, 4).reshape(N // 16, K // 8, 1, 128)             # code n = 8j + 4s + i
+        high = (by_step >> (4 + torch.arange(planes, dtype=torch.uint8))[:, None]) & 1  # [B, O, planes, 128]
+        order = torch.argsort(_high_bit_places(planes, high_bits).reshape(-1))
+        bits_in_place = high.reshape(N // 16, K // 8, -1)[..., order].reshape(N // 16, K // 8, 16 * planes, 8)
+        steps.append((bits_in_place << torch.arange(8, dtype=torch.uint8)).sum(-1, dtype=torch.uint8))
     return torch.cat(steps, -1)
 
 
@@ -384,22 +425,27 @@ def unpack_scales(t: torch.Tensor, group: int) -> torch.Tensor:
     return (d[:, :, None, :] * q).reshape(B, S * gps, 16)
 
 
-def unpack_codes(packed: torch.Tensor) -> torch.Tensor:
-    """The codes [N, K] of a dot layout (8-bit ones less their offset)."""
+def unpack_codes(packed: torch.Tensor, high_bits: str | None = None) -> torch.Tensor:
+    """The codes [N, K] of a dot layout (8-bit ones less their offset; high bits arranged as
+    `high_bits`, default the running ISA's)."""
+    high_bits = high_bits or high_bits_for()
     B, O = packed.shape[:2]
     if packed.dtype == torch.int8:
         return packed.reshape(B, 2 * O, 16, 4).permute(0, 2, 1, 3).reshape(B * 16, O * 8)
-    nib = packed[..., :64].reshape(B, O, 16, 4)
-    halves = torch.stack([nib & 15, nib >> 4], 3)                                       # [B, o, j, half, i]
-    for t in range((packed.shape[-1] - 64) // 16):
-        bits = (packed[..., 64 + 16 * t:80 + 16 * t].reshape(B, O, 2, 8, 1) >> torch.arange(8, dtype=torch.uint8)) & 1
-        halves = halves | (bits.reshape(B, O, 2, 16, 4).transpose(2, 3) << (4 + t))
-    return halves.permute(0, 2, 1, 3, 4).reshape(B * 16, O * 8)
+    nib = packed[..., :64].reshape(B, O, 16, 1, 4)
+    codes = torch.cat([nib & 15, nib >> 4], 3).reshape(B, O, 128)                      # n = 8j + 4s + i
+    planes = (packed.shape[-1] - 64) // 16
+    if planes:
+        bits = (packed[..., 64:, None] >> torch.arange(8, dtype=torch.uint8)) & 1         # [B, O, 16 planes, 8]
+        high = bits.reshape(B, O, -1)[..., _high_bit_places(planes, high_bits).reshape(-1)].reshape(B, O, planes, 128)
+        codes = codes | (high << (4 + torch.arange(planes, dtype=torch.uint8))[:, None]).sum(2, dtype=torch.uint8)
+    return codes.reshape(B, O, 16, 8).permute(0, 2, 1, 3).reshape(B * 16, O * 8)
 
 
-def unpack_affine(packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, group: int, offset: int):
+def unpack_affine(packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, group: int, offset: int,
+                  high_bits: str | None = None):
     """The fp32 [N, K] weight of the dot layout: scale * (code - offset) (+ minimum)."""
-    codes = unpack_codes(packed)
+    codes = unpack_codes(packed, high_bits)
     N, K = codes.shape
     per_row = lambda t: unpack_scales(t, group).transpose(1, 2).reshape(N, -1, 1)  # noqa: E731
     w = (codes.float() - offset).reshape(N, K // group, group) * per_row(scale)
@@ -409,18 +455,20 @@ def unpack_affine(packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tens
 
 
 def affine_linear(x_bf16: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
-                  group: int, offset: int) -> torch.Tensor:
+                  group: int, offset: int, high_bits: str | None = None) -> torch.Tensor:
     """y [M, N] fp32 = x [M, K] (bf16, quantized per block of 32 to int8 by the kernel) . W^T for a
-    group-affine weight in the dot layout (pack_affine)."""
-    return _call("affine_linear", affine_linear_op, x_bf16, packed, scale, minimum, group, offset)
+    group-affine weight in the dot layout (pack_affine; a 5- or 6-bit one in the high-bit
+    arrangement of the running ISA, else the kernel refuses it)."""
+    return _call("affine_linear", affine_linear_op, x_bf16, packed, scale, minimum, group, offset,
+                 HIGH_BITS.index(high_bits or high_bits_for()))
 
 
 @torch.library.custom_op("draftwise::affine_linear", mutates_args=())
 def affine_linear_op(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
-                     group: int, offset: int) -> torch.Tensor:
-    return load().affine_linear(x.contiguous(), packed, scale, minimum, group, offset)
+                     group: int, offset: int, high_bits: int) -> torch.Tensor:
+    return load().affine_linear(x.contiguous(), packed, scale, minimum, group, offset, high_bits)
 
 
 @affine_linear_op.register_fake
-def _(x, packed, scale, minimum, group, offset):
+def _(x, packed, scale, minimum, group, offset, high_bits):
     return x.new_empty((x.shape[0], packed.shape[0] * 16), dtype=torch.float32)

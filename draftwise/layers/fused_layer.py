@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from draftwise.kernels import attention_kernel_fits, load, row_plan_args
+from draftwise.kernels import HIGH_BITS, attention_kernel_fits, load, row_plan_args
 from draftwise.layers.attention import attend_cached
 from draftwise.layers.quant import GroupAffineLinear, Int4Linear
 
@@ -51,12 +51,13 @@ def kernel_linear(mod):
         return None
     bias = mod.bias if mod.bias is not None else torch.empty(0)
     if isinstance(mod, Int4Linear):
-        return load().Linear([True], [mod.kernel_nibbles], [mod.kernel_sm], [torch.empty(0)], [32], [0], bias,
+        return load().Linear([True], [mod.kernel_nibbles], [mod.kernel_sm], [torch.empty(0)], [32], [0], [0], bias,
                              mod.use_amx)
     if isinstance(mod, GroupAffineLinear):
         parts = mod.packed_parts()
         return load().Linear([False] * len(parts), [p[0] for p in parts], [p[1] for p in parts],
-                             [p[2] for p in parts], [p[3] for p in parts], [p[4] for p in parts], bias, False)
+                             [p[2] for p in parts], [p[3] for p in parts], [p[4] for p in parts],
+                             [HIGH_BITS.index(p[5]) for p in parts], bias, False)
     return None
 
 

@@ -24,8 +24,8 @@ from torch import nn
 from draftwise.layers.quant_formats import INT4_GROUP, quantize_int4_groupwise, quantize_int8_per_channel  # noqa: F401
 from draftwise.config import REQUANTIZE_TYPES
 from draftwise.formats import block_format, decode
-from draftwise.kernels import (affine_linear, amx, int4_linear, int8_linear, load, pack_affine, pack_int4, pack_int8,
-                               unpack_affine, unpack_int4, unpack_int8)
+from draftwise.kernels import (affine_linear, amx, high_bits_for, int4_linear, int8_linear, load, pack_affine,
+                               pack_int4, pack_int8, unpack_affine, unpack_int4, unpack_int8)
 from draftwise.layers.linear import TransposedLinear
 
 QUANTIZATION_MODES = ("int8", "int4")      # re-quantization; "gguf" models are built by the loader
@@ -248,10 +248,11 @@ class GroupAffineLinear(_QuantizedLinear):
         if any(p.codes.shape[0] % 16 for p in parts):
             raise ValueError("group-affine linears need output sizes that are multiples of 16")
         self.draftwise_kernel = _draftwise_kernels()
+        self.high_bits = high_bits_for()        # packed for the ISA that runs it
         self.meta = []
         for i, p in enumerate(parts):
             packed, scale, minimum, offset = pack_affine(p.codes, p.scale, p.minimum, p.group, p.bits, p.offset,
-                                                         p.factors)
+                                                         p.factors, self.high_bits)
             self.meta.append((p.group, offset))
             self.register_buffer(f"codes{i}", packed)
             self.register_buffer(f"scale{i}", scale)
@@ -259,8 +260,9 @@ class GroupAffineLinear(_QuantizedLinear):
         self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
 
     def packed_parts(self):
-        return [(getattr(self, f"codes{i}"), getattr(self, f"scale{i}"), getattr(self, f"minimum{i}"), g, off)
-                for i, (g, off) in enumerate(self.meta)]
+        """(codes, scale, minimum, group, offset, high_bits) of each row part: affine_linear's arguments."""
+        return [(getattr(self, f"codes{i}"), getattr(self, f"scale{i}"), getattr(self, f"minimum{i}"), g, off,
+                 self.high_bits) for i, (g, off) in enumerate(self.meta)]
 
     def dequantize(self) -> torch.Tensor:
         return torch.cat([unpack_affine(*part) for part in self.packed_parts()], 0)
@@ -272,11 +274,11 @@ class GroupAffineLinear(_QuantizedLinear):
         x = x2.float()
         y = x.new_empty(x.shape[0], self.out_features)
         col = 0
-        for codes, scale, minimum, g, off in self.packed_parts():
+        for codes, scale, minimum, g, off, high_bits in self.packed_parts():
             blocks = self.FALLBACK_CHUNK // 16
             for b0 in range(0, codes.shape[0], blocks):
                 part = (codes[b0:b0 + blocks], scale[b0:b0 + blocks],
-                        minimum[b0:b0 + blocks] if minimum.numel() else minimum, g, off)
+                        minimum[b0:b0 + blocks] if minimum.numel() else minimum, g, off, high_bits)
                 w = unpack_affine(*part)
                 for r in range(x.shape[0]):
                     y[r, col:col + w.shape[0]] = torch.mv(w, x[r])

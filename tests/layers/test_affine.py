@@ -87,6 +87,33 @@ def test_affine_rows_are_independent_of_the_call(kernel_isa, name):
     assert ((alone.double() - exact).abs().max() / exact.abs().max()).item() < 2e-2
 
 
+def test_high_bit_arrangements_place_every_bit_once():
+    """Each arrangement of the bits above the nibble is a permutation of the step's high-bit
+    bytes; the masks one is the AVX-512 kernels' (two 64-bit masks per bit), the shifts one puts
+    the codes of a 6-bit step's first byte in one byte's four crumbs."""
+    for planes in (1, 2):
+        for high_bits in kernels.HIGH_BITS:
+            places = kernels._high_bit_places(planes, high_bits).reshape(-1)
+            assert torch.equal(places.sort().values, torch.arange(128 * planes)), (planes, high_bits)
+    masks = kernels._high_bit_places(1, "masks")[0]
+    assert masks[8 * 3 + 4 + 2].item() == 64 + 4 * 3 + 2          # column 3, input 4 + 2: mask 1, bit 14
+    crumbs = kernels._high_bit_places(2, "shifts")
+    first_byte = [8 * j + 4 * s for j in (0, 8) for s in (0, 1)]   # a and b of byte 0 in halves 0 and 1
+    assert crumbs[0, first_byte].tolist() == [0, 2, 4, 6] and crumbs[1, first_byte].tolist() == [1, 3, 5, 7]
+
+
+def test_a_weight_packed_for_another_isa_is_refused(isa_kernels):
+    """The kernels read 5- and 6-bit codes in their own ISA's arrangement: a weight packed for
+    another is a clear error, not wrong numbers."""
+    ga = _weight("Q6_K", N=16)
+    theirs = "masks" if kernels.high_bits_for() == "shifts" else "shifts"
+    codes, scale, minimum, offset = kernels.pack_affine(ga.codes, ga.scale, ga.minimum, ga.group, ga.bits, ga.offset,
+                                                        ga.factors, theirs)
+    x = torch.randn(1, ga.codes.shape[1]).to(torch.bfloat16)
+    with pytest.raises(RuntimeError, match=f"high bits as {theirs}"):
+        kernels.affine_linear(x, codes, scale, minimum, ga.group, offset, theirs)
+
+
 def test_mixed_parts_join_in_order(kernel_isa):
     """A fused projection whose parts are different families (Q4_K q and k, a Q6_K v)."""
     parts = [_weight("Q4_K", N=32, seed=1), _weight("Q4_K", N=16, seed=2), _weight("Q6_K", N=16, seed=3)]
@@ -98,14 +125,15 @@ def test_mixed_parts_join_in_order(kernel_isa):
     assert ((lin(x).double() - exact).abs().max() / exact.abs().max()).item() < 2e-2
 
 
+@pytest.mark.parametrize("high_bits", kernels.HIGH_BITS)
 @pytest.mark.parametrize("name", ["Q4_1", "Q3_K", "Q5_K", "Q5_0", "Q6_K", "Q8_0", "IQ4_XS"])
-def test_pack_unpack_round_trip(name):
+def test_pack_unpack_round_trip(name, high_bits):
     ga = _weight(name)
     codes, scale, minimum, offset = kernels.pack_affine(ga.codes, ga.scale, ga.minimum, ga.group, ga.bits, ga.offset,
-                                                        ga.factors)
-    assert torch.equal(kernels.unpack_affine(codes, scale, minimum, ga.group, offset), ga.dequantize())
+                                                        ga.factors, high_bits)
+    assert torch.equal(kernels.unpack_affine(codes, scale, minimum, ga.group, offset, high_bits), ga.dequantize())
     want = ga.codes.to(torch.int16) - (ga.offset - offset)
-    assert torch.equal(kernels.unpack_codes(codes).to(torch.int16), want)
+    assert torch.equal(kernels.unpack_codes(codes, high_bits).to(torch.int16), want)
     if ga.factors is not None:                       # the file's factors, not the fp32 products
         assert scale.dtype == torch.uint8 and (minimum.numel() == 0 or minimum.dtype == torch.uint8)
         assert torch.equal(kernels.unpack_scales(scale, ga.group), kernels.pack_affine(

@@ -14,8 +14,9 @@ namespace q8act256 {
 
 constexpr int MT_MAX = 4;      // rows per register tile
 
-// the int32 dot products of octet `oct` for one half's 8 columns, added to `acc`: 4/5-bit codes
-// unsigned (a = inputs 0-3, b = 4-7), 8-bit signed
+// half h's codes of the octet step at p as two unsigned byte vectors, a = inputs 0-3 of its 8
+// columns, b = inputs 4-7 (4- to 6-bit codes: the nibbles, then the high bits in the shifts
+// arrangement, q8act.h), or as signed bytes (8-bit codes)
 template <int BITS>
 DW_AVX2 inline void load_half(const uint8_t* p, int h, __m256i& a, __m256i& b) {
   if constexpr (BITS == 8) {
@@ -25,22 +26,29 @@ DW_AVX2 inline void load_half(const uint8_t* p, int h, __m256i& a, __m256i& b) {
     const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + h * 32)), m = _mm256_set1_epi8(15);
     a = _mm256_and_si256(v, m);
     b = _mm256_and_si256(_mm256_srli_epi16(v, 4), m);
-    // bits 4 (and 5): the half's 32 bits of each mask -> 32 bytes of 16 (32) where set; byte t
-    // gets mask byte t / 8, then its bit t % 8
-    const __m256i select = _mm256_set1_epi64x(0x8040201008040201LL);
-    const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
-                                            2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
-    for (int t = 0; t < BITS - 4; ++t) {
-      uint32_t lo, hi;
-      std::memcpy(&lo, p + 64 + 16 * t + h * 4, 4);
-      std::memcpy(&hi, p + 72 + 16 * t + h * 4, 4);
-      const __m256i value = _mm256_set1_epi8(static_cast<char>(16 << t));
-      auto expand = [&](uint32_t bits) {
-        const __m256i s = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(bits)), spread);
-        return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(s, select), select), value);
-      };
-      a = _mm256_or_si256(a, expand(lo));
-      b = _mm256_or_si256(b, expand(hi));
+    if constexpr (BITS == 6) {
+      // byte u's crumbs: a0, b0, a1, b1 (bits 0-1, 2-3, 4-5, 6-7) moved to bits 4-5 (16-bit shifts:
+      // what crosses a byte edge is masked off)
+      const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64)), m2 = _mm256_set1_epi8(0x30);
+      if (h == 0) {
+        a = _mm256_or_si256(a, _mm256_and_si256(_mm256_slli_epi16(c, 4), m2));
+        b = _mm256_or_si256(b, _mm256_and_si256(_mm256_slli_epi16(c, 2), m2));
+      } else {
+        a = _mm256_or_si256(a, _mm256_and_si256(c, m2));
+        b = _mm256_or_si256(b, _mm256_and_si256(_mm256_srli_epi16(c, 2), m2));
+      }
+    } else if constexpr (BITS == 5) {
+      // 16 bytes in both lanes; byte u of a_h / b_h has bit 2 (2h + s) + lane: moved to bit 4 by a
+      // per-lane shift of the 32-bit words (no bit it keeps crosses a byte)
+      const __m256i c = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 64)));
+      const __m256i m1 = _mm256_set1_epi8(0x10);
+      if (h == 0) {
+        a = _mm256_or_si256(a, _mm256_and_si256(_mm256_sllv_epi32(c, _mm256_setr_epi32(4, 4, 4, 4, 3, 3, 3, 3)), m1));
+        b = _mm256_or_si256(b, _mm256_and_si256(_mm256_sllv_epi32(c, _mm256_setr_epi32(2, 2, 2, 2, 1, 1, 1, 1)), m1));
+      } else {
+        a = _mm256_or_si256(a, _mm256_and_si256(_mm256_srlv_epi32(c, _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1)), m1));
+        b = _mm256_or_si256(b, _mm256_and_si256(_mm256_srlv_epi32(c, _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3)), m1));
+      }
     }
   }
 }
@@ -148,9 +156,9 @@ void column_blocks(const q8act::Activations& act, const uint8_t* codes, const S&
 
 // y [M, N] fp32 = x [M, K] bf16 . W^T for a group-affine weight in a dot layout (q8act.h), on AVX2
 inline torch::Tensor affine_linear_avx2(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scale,
-                                        const torch::Tensor& minimum, int64_t group, int64_t offset) {
+                                        const torch::Tensor& minimum, int64_t group, int64_t offset, int64_t high_bits) {
   const uint8_t* cp = static_cast<const uint8_t*>(codes.data_ptr());
-  return q8act::dot_linear(x, codes, scale, minimum, group, offset, 0,
+  return q8act::dot_linear(x, codes, scale, minimum, group, offset, high_bits, q8act::HIGH_BITS_SHIFTS, 0,
                            [&](const auto& sc, int bits, const q8act::Activations& acts, torch::Tensor& y) {
     using S = std::decay_t<decltype(sc)>;
     float* yp = y.data_ptr<float>();

@@ -9,7 +9,7 @@
 // namespace draftwise:
 //   torch::Tensor int4_linear(x, nibbles, sm, use_amx);      y [M, N] fp32 = x [M, K] bf16 . W^T
 //   torch::Tensor int8_linear(x, q8, scale, use_amx);
-//   torch::Tensor affine_linear(x, codes, scale, minimum, group, offset);
+//   torch::Tensor affine_linear(x, codes, scale, minimum, group, offset, high_bits);
 //   void attend_rows(q, k_cache, v_cache, out, rows, lens, slot_lists, slots, scale);
 //   void to_bf16_n(const float*, uint16_t*, int64_t);        round to nearest even
 //   void rms_norm_row_bf16(x, w, r, H, eps, out);            out[r] = bf16(w * x[r] / rms(x[r]))
@@ -30,7 +30,7 @@ struct Linear {
   struct Part {
     bool int4;
     torch::Tensor codes, scale, minimum;
-    int64_t group, offset;
+    int64_t group, offset, high_bits;
   };
   std::vector<Part> parts;
   torch::Tensor bias;                  // fp32 [N], or empty
@@ -40,7 +40,7 @@ struct Linear {
     std::vector<torch::Tensor> ys;
     for (const Part& p : parts)
       ys.push_back(p.int4 ? int4_linear(x, p.codes, p.scale, use_amx)
-                          : affine_linear(x, p.codes, p.scale, p.minimum, p.group, p.offset));
+                          : affine_linear(x, p.codes, p.scale, p.minimum, p.group, p.offset, p.high_bits));
     torch::Tensor y = ys.size() == 1 ? ys[0] : at::cat(ys, 1);
     if (bias.numel()) {
       const int64_t M = y.size(0), N = y.size(1);
@@ -288,10 +288,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<Linear>(m, "Linear", py::module_local())
       .def(py::init([](std::vector<bool> int4, std::vector<torch::Tensor> codes, std::vector<torch::Tensor> scales,
                        std::vector<torch::Tensor> minimums, std::vector<int64_t> groups, std::vector<int64_t> offsets,
-                       torch::Tensor bias, bool use_amx) {
+                       std::vector<int64_t> high_bits, torch::Tensor bias, bool use_amx) {
         Linear lin;
         for (size_t i = 0; i < codes.size(); ++i)
-          lin.parts.push_back({int4[i], codes[i], scales[i], minimums[i], groups[i], offsets[i]});
+          lin.parts.push_back({int4[i], codes[i], scales[i], minimums[i], groups[i], offsets[i], high_bits[i]});
         lin.bias = bias;
         lin.use_amx = use_amx;
         return lin;

@@ -15,9 +15,15 @@
 //   4-bit: uint8 [N/16, K/8, 64]: byte 4j + i = code[n0+j][8o+i] | code[n0+j][8o+4+i] << 4, so the
 //          low nibbles are, per 32-bit lane j, column j's inputs 8o..8o+3 (the lane a dot-product
 //          instruction sums) and the high nibbles its inputs 8o+4..8o+7
-//   5-bit: uint8 [N/16, K/8, 80]: the 4-bit octet, then two little-endian 64-bit masks of the
-//          codes' bit 4 (bit 4j + i of the first: code[n0+j][8o+i], of the second: 8o+4+i)
-//   6-bit: uint8 [N/16, K/8, 96]: the 5-bit octet, then two masks of bit 5 (GGUF Q6_K)
+//   5-bit: uint8 [N/16, K/8, 80]: the 4-bit octet, then the codes' bit 4 in 16 bytes
+//   6-bit: uint8 [N/16, K/8, 96]: the 4-bit octet, then bits 4 and 5 in 32 bytes (GGUF Q6_K)
+//          The high bits come in one of two arrangements (HighBits; kernels/__init__.py:
+//          _high_bit_places), each ISA's kernel reading its own: masks (AVX-512: per bit two
+//          little-endian 64-bit masks, bit 4j + i of the first: code[n0+j][8o+i], of the second:
+//          8o+4+i, which mask registers take as they are) or shifts (AVX2: per half-block of 8
+//          columns, the byte u = 4j' + i of its 32 a-codes (inputs 0-3) and b-codes (4-7) has its
+//          high bits where one fixed or variable shift and an and put them in place: 6-bit as
+//          2-bit crumbs, byte u crumb 2h + s; 5-bit as byte u % 16, bit 2 (2h + s) + u / 16)
 //   8-bit: int8  [N/16, K/8, 128]: two 64-byte quads, byte 4j + i of quad h = code[n0+j][8o+4h+i]
 //          less the offset (stored signed; the kernel is called with offset 0)
 // scale / minimum: [N/16, K/group, 16] fp32 or fp16 (affine.h's GroupScales), or for the super-block
@@ -33,6 +39,9 @@ namespace q8act {
 constexpr int QBLOCK = 32;     // inputs per activation scale
 constexpr int OCTET = 8;       // inputs per code step
 constexpr int ROW_CHUNK = 64;  // rows whose activations stay in cache while a thread's column blocks pass
+
+enum HighBits { HIGH_BITS_MASKS = 0, HIGH_BITS_SHIFTS = 1 };   // kernels/__init__.py: HIGH_BITS
+inline const char* high_bits_name(int64_t h) { return h == HIGH_BITS_SHIFTS ? "shifts" : "masks"; }
 
 constexpr int64_t step_bytes(int bits) { return bits == 8 ? 128 : 64 + 16 * (bits - 4); }
 
@@ -164,12 +173,15 @@ inline int check_dot_layout(const torch::Tensor& x, const torch::Tensor& codes, 
 }
 
 // y = x . W^T: x quantized, then `blocks_fn(scales, bits, acts, y)` over the column blocks (an ISA's
-// kernel) with the scale table in its type
+// kernel, reading 5- and 6-bit codes in the arrangement `reads`) with the scale table in its type
 template <typename F>
 torch::Tensor dot_linear(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scale,
-                         const torch::Tensor& minimum, int64_t group, int64_t offset, int extra_offset,
-                         const F& blocks_fn) {
+                         const torch::Tensor& minimum, int64_t group, int64_t offset, int64_t high_bits,
+                         HighBits reads, int extra_offset, const F& blocks_fn) {
   const int bits = check_dot_layout(x, codes, scale, minimum, group);
+  TORCH_CHECK(bits == 4 || bits == 8 || high_bits == reads, "codes: ", bits, "-bit codes packed with their high bits as ",
+              high_bits_name(high_bits), ", but these kernels read ", high_bits_name(reads),
+              " (pack the weight under the ISA that runs it)");
   const int M = x.size(0), K = x.size(1), G = K / static_cast<int>(group);
   auto y = at::empty({M, codes.size(0) * NB}, x.options().dtype(torch::kFloat));
   if (M == 0) return y;
