@@ -116,15 +116,44 @@ def load():
 
 
 def _build(source: str):
-    from torch.utils.cpp_extension import load as build
+    from torch.utils.cpp_extension import _get_build_directory, load as build
     logger.info("building the %s CPU kernels (first run only)", source)
+    name = "draftwise_cpu_" + source.split(".")[0]
+    directory = _get_build_directory(name, verbose=False)
     # torch rebuilds an extension when its listed source changes, not its headers: a digest of every
     # file here in the flags makes any change (an upgrade) rebuild instead of loading a stale library
-    return build(name="draftwise_cpu_" + source.split(".")[0], sources=[os.path.join(_CPU_DIR, source)],
-                 extra_include_paths=[_CPU_DIR],
-                 extra_cflags=["-O3", "-fopenmp", f"-DDRAFTWISE_SOURCES={_sources_digest(_CPU_DIR)}",
-                               *_CFLAGS.get(source, [])],
-                 extra_ldflags=["-fopenmp"], verbose=False)
+    with build_lock(directory):
+        return build(name=name, sources=[os.path.join(_CPU_DIR, source)], extra_include_paths=[_CPU_DIR],
+                     extra_cflags=["-O3", "-fopenmp", f"-DDRAFTWISE_SOURCES={_sources_digest(_CPU_DIR)}",
+                                   *_CFLAGS.get(source, [])],
+                     extra_ldflags=["-fopenmp"], build_directory=directory, verbose=False)
+
+
+TORCH_BUILD_LOCK = "lock"       # torch.utils.cpp_extension's lock file in a build directory
+
+
+@contextlib.contextmanager
+def build_lock(directory: str):
+    """One build of a kernel library at a time across draftwise processes, under a lock the OS
+    releases when its holder dies. torch's own lock is a file that a build killed midway (Ctrl-C on
+    a first run) leaves behind, and every later start then waits on it forever; while this lock is
+    held no other draftwise process is building here, so such a file is stale and is removed."""
+    try:
+        import fcntl
+    except ImportError:                # no POSIX locks: torch's own lock alone
+        yield
+        return
+    os.makedirs(directory, exist_ok=True)
+    with open(os.path.join(directory, "draftwise.lock"), "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        stale = os.path.join(directory, TORCH_BUILD_LOCK)
+        if os.path.exists(stale):
+            logger.warning("CPU kernels: removing %s, left by a build that did not finish", stale)
+            os.remove(stale)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def _sources_digest(folder: str) -> str:

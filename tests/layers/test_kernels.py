@@ -171,3 +171,25 @@ def test_kernels_id_names_the_isa_and_the_sources(tmp_path):
     before = kernels._sources_digest(str(tmp_path))
     (tmp_path / "a.h").write_text("int b;")
     assert kernels._sources_digest(str(tmp_path)) != before
+
+
+def test_a_build_killed_midway_leaves_no_lock_that_hangs_later_starts(tmp_path, caplog):
+    """torch's build lock is a plain file that a killed build leaves behind (every later start would
+    wait on it forever); under draftwise's own lock, which the OS releases with its holder, such a
+    file is removed with a warning, and a second build waits only while the first one runs."""
+    import threading
+    stale = tmp_path / kernels.TORCH_BUILD_LOCK
+    stale.write_text("")
+    with caplog.at_level(logging.WARNING, logger="draftwise"), kernels.build_lock(str(tmp_path)):
+        assert not stale.exists()
+        entered = threading.Event()
+
+        def second():
+            with kernels.build_lock(str(tmp_path)):
+                entered.set()
+        t = threading.Thread(target=second)
+        t.start()
+        assert not entered.wait(0.3)               # the first build holds the lock
+    assert entered.wait(10)                          # released with the first
+    t.join()
+    assert "did not finish" in caplog.text

@@ -12,6 +12,7 @@
 #include <torch/python.h>
 #include <immintrin.h>
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -163,14 +164,11 @@ struct AttnScratch {
         acc(new float[pairs * D]), mx(new float[pairs * 16]) {}
 };
 
-// the most rows any tile holds
-// the tiles each thread runs: longest first, each to the thread with the least work so far
-// (work: a tile's rows x its longest key count). A causal prompt's tiles grow with their position;
-// split into contiguous ranges the thread holding the end of the prompt would do ~3/4 of the work.
-// Which thread runs a tile never changes its bits.
-inline std::vector<std::vector<int64_t>> tiles_by_thread(const std::vector<AttnTile>& tiles,
-                                                         const std::vector<int64_t>& lens, int64_t threads) {
-  std::vector<std::vector<int64_t>> out(static_cast<size_t>(std::max<int64_t>(1, threads)));
+// the tiles in the order threads take them: longest first (work: a tile's rows x its longest key
+// count). Threads take the next tile from this queue as they finish one, so a causal prompt's long
+// tiles at the end of the prompt spread over every thread and a thread slowed by its neighbours on
+// the machine takes fewer tiles. Which thread runs a tile never changes its bits.
+inline std::vector<int64_t> tiles_longest_first(const std::vector<AttnTile>& tiles, const std::vector<int64_t>& lens) {
   std::vector<std::pair<int64_t, int64_t>> order;               // (-work, tile)
   order.reserve(tiles.size());
   for (size_t w = 0; w < tiles.size(); ++w) {
@@ -179,15 +177,13 @@ inline std::vector<std::vector<int64_t>> tiles_by_thread(const std::vector<AttnT
     order.push_back({-tiles[w].rows * keys, static_cast<int64_t>(w)});
   }
   std::sort(order.begin(), order.end());
-  std::vector<int64_t> load(out.size(), 0);
-  for (const auto& [neg_work, w] : order) {
-    const size_t t = static_cast<size_t>(std::min_element(load.begin(), load.end()) - load.begin());
-    out[t].push_back(w);
-    load[t] -= neg_work;
-  }
+  std::vector<int64_t> out;
+  out.reserve(order.size());
+  for (const auto& o : order) out.push_back(o.second);
   return out;
 }
 
+// the most rows any tile holds
 inline int64_t max_tile_rows(const std::vector<AttnTile>& tiles) {
   int64_t r = 1;
   for (const auto& t : tiles) r = std::max(r, t.rows);
@@ -239,14 +235,17 @@ void attend_rows_typed(const torch::Tensor& q, const torch::Tensor& k_cache, con
   const int64_t stride = (max_len + 15) / 16 * 16;
   const std::vector<AttnTile> tiles = attention_tiles(slot_lists, Hkv);
   const int64_t max_rows = max_tile_rows(tiles);
-  const auto assigned = tiles_by_thread(tiles, lens, std::min<int64_t>(at::get_num_threads(), tiles.size()));
-  at::parallel_for(0, static_cast<int64_t>(assigned.size()), 1, [&](int64_t t0, int64_t t1) {
+  const std::vector<int64_t> queue = tiles_longest_first(tiles, lens);
+  const int64_t n = static_cast<int64_t>(queue.size());
+  std::atomic<int64_t> next_tile{0};
+  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), n), 1, [&](int64_t, int64_t) {
     AttnScratch scratch(max_rows * G, stride, D);
     std::vector<AttnPair> pairs;
-    for (int64_t t = t0; t < t1; ++t) for (size_t i = 0; i < assigned[t].size(); ++i) {
-      const AttnTile& tile = tiles[assigned[t][i]];
-      if (i + 1 < assigned[t].size()) {      // the next tile's first keys, while this one runs
-        const AttnTile& next = tiles[assigned[t][i + 1]];
+    for (int64_t i = next_tile.fetch_add(1); i < n; i = next_tile.fetch_add(1)) {
+      const AttnTile& tile = tiles[queue[i]];
+      const int64_t peek = next_tile.load(std::memory_order_relaxed);
+      if (peek < n) {                        // the queue's next tile's first keys, while this one runs
+        const AttnTile& next = tiles[queue[peek]];
         prefetch_rows(kp + next.head * head_stride, sp[slot_lists[next.first]], 0,
                       std::min(lens[next.first], ATTN_PREFETCH_KEYS), slot_stride, D);
       }
