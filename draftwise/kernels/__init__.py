@@ -294,10 +294,11 @@ def _plan_args(plan) -> tuple:
 
 def row_argmax(logits: torch.Tensor) -> torch.Tensor:
     """logits [M, V] -> int64 [M], each row's argmax with torch.argmax's rule (the first maximum).
-    PyTorch's CPU argmax over the last dimension is slow for several rows (milliseconds for 8-16
-    rows of a 49k vocabulary: a verification step's greedy acceptance); the kernel does one row per
-    task, 16 lanes at a time."""
-    if (logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2 and logits.shape[0] > 1
+    PyTorch's CPU argmax over the last dimension is slow: milliseconds for 8-16 rows of a 49k
+    vocabulary (a verification step's greedy acceptance), and for one row of Gemma 3's 262k
+    vocabulary 217 us against the kernel's 34 (~2 % of a plain step, Zen 4); the kernel does one
+    row per task, 16 lanes at a time."""
+    if (logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2 and logits.shape[0] > 0
             and logits.is_contiguous()):
         mod = _state["mod"] if "mod" in _state else load()
         if mod is not None:
