@@ -119,7 +119,7 @@ def _build(source: str):
     from torch.utils.cpp_extension import _get_build_directory, load as build
     logger.info("building the %s CPU kernels (first run only)", source)
     name = "draftwise_cpu_" + source.split(".")[0]
-    directory = _get_build_directory(name, verbose=False)
+    directory = _get_build_directory(name, verbose=False)     # torch's folder (TORCH_EXTENSIONS_DIR honoured)
     # torch rebuilds an extension when its listed source changes, not its headers: a digest of every
     # file here in the flags makes any change (an upgrade) rebuild instead of loading a stale library
     with build_lock(directory):
@@ -150,10 +150,7 @@ def build_lock(directory: str):
         if os.path.exists(stale):
             logger.warning("CPU kernels: removing %s, left by a build that did not finish", stale)
             os.remove(stale)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+        yield                          # closing the file releases the lock
 
 
 def _sources_digest(folder: str) -> str:
