@@ -68,6 +68,16 @@ inline uint16_t to_bf16(float f) {
   return static_cast<uint16_t>(u >> 16);
 }
 
+// GELU, tanh approximation, in the sigmoid form the vector kernels use:
+// 0.5 g (1 + tanh(t)) = g / (1 + exp(-2 t)), t = sqrt(2 / pi) (g + 0.044715 g^3)
+constexpr float GELU_K = 0.7978845608028654f;     // sqrt(2 / pi)
+constexpr float GELU_C = 0.044715f;
+
+inline float gelu_tanh(float g) {
+  const float t = GELU_K * (GELU_C * (g * g * g) + g);
+  return g / (1.0f + std::exp(-2.0f * t));
+}
+
 inline float from_bf16(uint16_t h) {
   const uint32_t bits = static_cast<uint32_t>(h) << 16;
   float f;

@@ -14,6 +14,7 @@
 //   void to_bf16_n(const float*, uint16_t*, int64_t);        round to nearest even
 //   void rms_norm_row_bf16(x, w, r, H, eps, out);            out[r] = bf16(w * x[r] / rms(x[r]))
 //   void silu_mul_row(gu, I, out);                           out = bf16(silu(gate) * up)
+//   void gelu_mul_row(gu, I, out);                           out = bf16(gelu_tanh(gate) * up)
 //   int64_t argmax_row(const float*, int64_t);               torch.argmax's rule (first max, NaN first)
 //   bool amx_available();  and the macro KERNEL_ISA (the ISA's name)
 #pragma once
@@ -65,16 +66,6 @@ inline void rms_norm_fp32(float* x, const float* w, int n, float eps) {
   for (int i = 0; i < n; ++i) ss += x[i] * x[i];
   const float inv = 1.0f / std::sqrt(ss / static_cast<float>(n) + eps);
   for (int i = 0; i < n; ++i) x[i] = w[i] * (x[i] * inv);
-}
-
-// out = bf16(gelu_tanh(gate) * up) for one row of gate|up [2 I] (Gemma's MLP)
-inline void gelu_mul_row(const float* gu, int I, uint16_t* out) {
-  constexpr float k = 0.7978845608028654f;      // sqrt(2 / pi)
-  for (int i = 0; i < I; ++i) {
-    const float g = gu[i];
-    const float gelu = 0.5f * g * (1.0f + std::tanh(k * (g + 0.044715f * g * g * g)));
-    out[i] = to_bf16(gelu * gu[I + i]);
-  }
 }
 
 // the optional parts of a layer beyond Llama's: q/k norms (Qwen3, Gemma 3), a norm on the attention
