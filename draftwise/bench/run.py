@@ -445,7 +445,8 @@ def plot(results: list[dict], path: str) -> None:
     a1.set_xlabel("draft position")
     a1.set_ylabel("fraction of drafts accepted at position")
     a1.set_title("acceptance per position")
-    a1.legend()
+    if a1.lines:                        # no drafting method ran: an empty panel, no legend
+        a1.legend()
     a2.bar([r["method"] for r in results], [r.get("speedup_vs_ar") or 0 for r in results])
     a2.axhline(1.0, color="gray", linestyle="--")
     a2.set_ylabel("speedup vs autoregressive")

@@ -133,9 +133,13 @@ class AttentionMetadata:
         for q in self.query_lens:
             starts.append(starts[-1] + q)
         plan = []
+        # every request's cache slots in position order, one row per request (its first s are its
+        # keys): three tensor ops for the step instead of a handful per request
+        bs = self.block_size
+        table_slots = (self.block_tables[:, :, None] * bs + torch.arange(bs, device=dev)).flatten(1)
         for r in reqs:
             q, s = self.query_lens[r], self.seq_lens[r]
-            slots = slots_for_positions(self.block_tables, r, torch.arange(s, device=dev), self.block_size)
+            slots = table_slots[r, :s]
             if self.mask_kind == TREE:
                 # one entry per row: the context, then the step's entries its mask row allows
                 # (parents precede children, so these are its ancestors in depth order, then itself)
@@ -388,6 +392,22 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_idx: int, sc
         k_cache, v_cache = kv_cache.layer(layer_idx)
         return paged_attention(q, k, v, k_cache, v_cache, meta, scale, window)
     return _paged_attention_op(q, k, v, layer_idx, scale, window)
+
+
+def cache_slots(block_ids: list[int], start: int, n: int, block_size: int) -> list[int]:
+    """The paged-slot mapping of one request's cache indices [start, start + n) as a list: what
+    `slots_for_positions` gives for them, built on the host block by block (a step's inputs are a
+    few rows per request; a dozen small tensor ops per step cost more than the list). A position
+    past the request's blocks raises IndexError instead of landing in another request's slots."""
+    out: list[int] = []
+    p, end = start, start + n
+    while p < end:
+        b, off = divmod(p, block_size)
+        take = min(block_size - off, end - p)
+        base = block_ids[b] * block_size + off
+        out.extend(range(base, base + take))
+        p += take
+    return out
 
 
 def slots_for_positions(block_tables: torch.Tensor, req_index: torch.Tensor, positions: torch.Tensor,

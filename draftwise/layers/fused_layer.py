@@ -136,26 +136,26 @@ def fused_stack_forward(model, x: torch.Tensor, rope_rows, meta, kv_cache, captu
     args = row_plan_args(meta.row_plan)
     if args is None:
         return None
-    stack = _stack(model, kv_cache)
+    stack, window = _stack(model, kv_cache)
     if stack is None:
         return None
-    windows = {layer.fused.window for layer in model.layers} - {0}
     plan = load().RowPlan(*args)
-    local = plan if not windows else load().RowPlan(*row_plan_args(meta.window_plan(windows.pop())))
+    local = plan if not window else load().RowPlan(*row_plan_args(meta.window_plan(window)))
     order = sorted(capture)
     outs = stack.run(x.contiguous(), *rope_rows, meta.slot_mapping, plan, local, order)
     return outs[0], dict(zip(order, outs[1:]))
 
 
 def _stack(model, kv_cache):
-    """The model's FusedStack over this KV cache (built once; rebuilt if the cache is replaced), or
-    None where the attention kernel does not take this model's shapes."""
+    """(the model's FusedStack over this KV cache, or None where the attention kernel does not take
+    this model's shapes; its sliding window, 0 for none): built once, rebuilt if the cache is
+    replaced."""
     layers = model.layers
     k0 = kv_cache.layer(layers[0].self_attn.layer_idx)[0]      # a drafter's layers sit past the target's
     key = (id(kv_cache), k0.data_ptr(), k0.dtype)
     cached = getattr(model, "_fused_stack", None)
     if cached is not None and cached[0] == key:
-        return cached[1]
+        return cached[1:]
     kv = [kv_cache.layer(layer.self_attn.layer_idx) for layer in layers]
     attn = layers[0].self_attn
     stack = None
@@ -167,8 +167,9 @@ def _stack(model, kv_cache):
             [k for k, _ in kv], [v for _, v in kv],
             [f.extras for f in w], [bool(f.window) for f in w],
             float(layers[0].input_layernorm.eps), attn.num_heads, attn.num_kv_heads, attn.head_dim, float(attn.scale))
-    model._fused_stack = (key, stack)
-    return stack
+    windows = {layer.fused.window for layer in layers} - {0}
+    model._fused_stack = (key, stack, windows.pop() if windows else 0)
+    return model._fused_stack[1:]
 
 
 def _label(name: str):

@@ -22,22 +22,26 @@ class SpecDecodeMetadata:
     @classmethod
     def build(cls, num_draft_tokens: list[int], cu_num_scheduled_tokens: list[int],
               input_ids: torch.Tensor) -> "SpecDecodeMetadata":
+        """Request i's last num_draft_tokens[i] + 1 scheduled rows (its flat rows end at
+        cu_num_scheduled_tokens[i]) get logits: all but the last verify the drafts that follow
+        them in the batch, the last gives the bonus token. Built as host lists, one tensor each."""
         device = input_ids.device
-        nd = torch.tensor(num_draft_tokens, dtype=torch.long)
-        cu_sched = torch.tensor(cu_num_scheduled_tokens, dtype=torch.long)
-        counts = nd + 1
-        R = nd.shape[0]
-        req = torch.repeat_interleave(torch.arange(R), counts)
-        cu_counts = torch.cumsum(counts, 0)
-        offset_in_req = torch.arange(int(cu_counts[-1]) if R else 0) - (cu_counts - counts)[req]
-        logits_indices = cu_sched[req] - counts[req] + offset_in_req
-        bonus = cu_counts - 1
-        is_target = torch.ones(len(logits_indices), dtype=torch.bool)
-        is_target[bonus] = False
-        target_idx = torch.nonzero(is_target).flatten()
-        draft_ids = input_ids[(logits_indices[target_idx] + 1).to(device)]
-        return cls(draft_ids, list(num_draft_tokens), torch.cumsum(nd, 0).to(device),
-                   logits_indices.to(device), target_idx.to(device), bonus.to(device))
+        logits_rows, target, bonus, draft_rows, cu_drafts = [], [], [], [], []
+        row = drafts = 0
+        for k, end in zip(num_draft_tokens, cu_num_scheduled_tokens):
+            first = end - k - 1
+            logits_rows.extend(range(first, end))
+            target.extend(range(row, row + k))
+            draft_rows.extend(range(first + 1, end))
+            row += k + 1
+            bonus.append(row - 1)
+            drafts += k
+            cu_drafts.append(drafts)
+
+        def tensor(values):
+            return torch.tensor(values, dtype=torch.long, device=device)
+        return cls(input_ids[tensor(draft_rows)], list(num_draft_tokens), tensor(cu_drafts), tensor(logits_rows),
+                   tensor(target), tensor(bonus))
 
     def draft_matrix(self) -> torch.Tensor:
         """[R, max_spec_len] drafts, padded with -1."""

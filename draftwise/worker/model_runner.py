@@ -10,7 +10,7 @@ import torch
 
 from draftwise.config import EngineConfig, ModelConfig
 from draftwise.kernels import row_argmax
-from draftwise.layers.attention import CAUSAL, TREE, AttentionMetadata, slots_for_positions
+from draftwise.layers.attention import CAUSAL, TREE, AttentionMetadata, cache_slots, slots_for_positions
 from draftwise.sample.rejection_sampler import greedy_rejection_sample, rejection_sample
 from draftwise.sample.sampler import SamplingMetadata
 from draftwise.spec_decode.draft import Draft
@@ -161,11 +161,8 @@ class ModelRunner:
     # --- helpers ---------------------------------------------------------------------------------
     def _block_tables(self, reqs) -> torch.Tensor:
         width = max(1, max(len(r.block_ids) for r in reqs))
-        bt = torch.zeros(len(reqs), width, dtype=torch.long)
-        for i, r in enumerate(reqs):
-            if r.block_ids:
-                bt[i, :len(r.block_ids)] = torch.tensor(r.block_ids)
-        return bt.to(self.device)
+        return torch.tensor([list(r.block_ids) + [0] * (width - len(r.block_ids)) for r in reqs], dtype=torch.long,
+                            device=self.device)
 
     def _sampling_metadata(self, reqs) -> SamplingMetadata:
         gens = [r.generator if r.generator is not None else self.generator for r in reqs]
@@ -204,11 +201,13 @@ class ModelRunner:
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         positions = torch.tensor(pos, dtype=torch.long, device=self.device)
         block_tables = self._block_tables(reqs)
-        req_index = torch.repeat_interleave(torch.arange(len(scheds), device=self.device),
-                                            torch.tensor(qlens, device=self.device))
         # cache entries are consecutive (tree nodes included); RoPE positions may differ (trees)
-        cache_pos = torch.cat([torch.arange(s.start_pos, s.start_pos + s.num_new_tokens) for s in scheds]).to(self.device)
-        slot_mapping = slots_for_positions(block_tables, req_index, cache_pos, self.block_size)
+        cache_idx, slots = [], []
+        for s in scheds:
+            cache_idx.extend(range(s.start_pos, s.start_pos + s.num_new_tokens))
+            slots.extend(cache_slots(s.request.block_ids, s.start_pos, s.num_new_tokens, self.block_size))
+        cache_pos = torch.tensor(cache_idx, dtype=torch.long, device=self.device)
+        slot_mapping = torch.tensor(slots, dtype=torch.long, device=self.device)
         tree_mask = None
         if any_tree:
             tree_mask = self._tree_verify_mask(scheds, max(qlens))

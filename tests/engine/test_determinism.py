@@ -57,6 +57,10 @@ def test_greedy_tokens_do_not_depend_on_scheduling(weights, kernel_isa):
                                   {"method": "ngram", "num_speculative_tokens": 4},
                                   {"method": "suffix", "num_speculative_tokens": 8, "draft_tree": True}])
 def test_greedy_speculation_equals_plain_decoding_in_a_batch_of_16(weights, kernel_isa, spec):
+    # every draft verified whole: the allocation would cut drafts by this machine's measured step
+    # costs, and a batch of 16 on PyTorch's kernels may then verify none (the test would pass
+    # without testing anything); what it may cut is a prefix of what is verified here
+    spec = {**spec, "allocate_drafts": False}
     path = weights
     prompts = _prompts(16)
     ref, _ = _run(path, prompts, max_num_seqs=16)
