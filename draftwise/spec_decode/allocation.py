@@ -132,6 +132,8 @@ class AcceptanceCalibration:
     decay: float = 0.998
     cells: dict = field(default_factory=dict)       # (source, depth bucket, bin) -> [accepted, trials]
     groups: dict = field(default_factory=dict)      # (source, depth bucket) -> [accepted, trials, sum of estimates]
+    # mean_chain by length, until the next observation (asked every step, changed by few)
+    _mean_chains: dict = field(default_factory=dict, repr=False)
 
     def _group_rate(self, source: str, bucket: int, estimate: float) -> float:
         acc, seen, sum_p = self.groups.get((source, bucket), (0.0, 0.0, 0.0))
@@ -172,6 +174,7 @@ class AcceptanceCalibration:
         observed (their accepted path is not a prefix of the creation order)."""
         if draft is None or not len(draft) or not draft.is_chain:
             return
+        self._mean_chains.clear()
         for j, c in enumerate(_conditional_estimates(draft)[:num_accepted + 1]):
             bucket, hit = _position_bucket(j), 1.0 if j < num_accepted else 0.0
             cell = self.cells.setdefault((draft.source, bucket, _bin(c)), [0.0, 0.0])
@@ -197,11 +200,15 @@ class AcceptanceCalibration:
         (non-increasing): the product of its groups' conditional rates along the depths, for the
         drafter with the best chain; UNTRIED_RATE per node conditional before anything is observed (so a
         new drafter is tried)."""
-        best: list[float] = []
+        best = self._mean_chains.get(length)
+        if best is not None:
+            return best
+        best = []
         for src in {s for (s, _) in self.groups} or {None}:
             out = self.chain(src, length)
             if sum(out) > sum(best):
                 best = out
+        self._mean_chains[length] = best
         return best
 
     def table(self) -> dict:

@@ -259,3 +259,16 @@ def test_an_expensive_drafter_pays_through_long_accepted_chains():
         poor.observe_drafting(0.045)
         poor.observe(d, 0)
     assert not poor.worth_drafting(1, 1)
+
+
+def test_the_mean_chain_asked_every_step_follows_each_new_observation():
+    cal = AcceptanceCalibration()
+    d = Draft.chain([1, 2, 3], "suffix", [0.9, 0.8, 0.7])
+    before = cal.mean_chain(3)
+    assert before == [pytest.approx(UNTRIED_RATE ** (i + 1)) for i in range(3)]
+    assert cal.mean_chain(3) == before                 # asked again, nothing observed: the same
+    for _ in range(50):
+        cal.observe(d, 0)
+    after = cal.mean_chain(3)
+    assert after[0] < 0.2 < before[0]
+    assert after == AcceptanceCalibration(cells=cal.cells, groups=cal.groups).mean_chain(3)
