@@ -289,7 +289,10 @@ class DraftAllocator:
         self._exploring = False
         self._awaiting_exploration = False  # forced exploration nodes are being verified
         self.explore_requests: int | None = None   # the next drafting step's request limit (None: all)
-        self.draft_seconds = 0.0           # decayed mean of a step's drafting seconds
+        # decayed mean of a step's drafting seconds per request drafted for: an exploring step
+        # drafts for a couple of requests, a full one for the whole batch, and pricing the latter
+        # at the former's seconds made drafting for 32 requests look as cheap as for two
+        self.draft_seconds_per_request = 0.0
         self.longest_draft = 1             # nodes of the longest draft offered so far (at most 32)
 
     def _credited(self, fixed_tokens: int, sampled: float, decode_tokens: int | None) -> float:
@@ -304,7 +307,7 @@ class DraftAllocator:
         """Whether drafting for the next step can pay: every sampling request drafting a chain of
         the drafter's observed mean acceptance per depth (of the best length up to the longest
         draft offered) must raise the step's expected tokens per second by more than drafting
-        costs (decayed mean of measured drafting seconds) - a drafter that costs about a target
+        for all of them costs (decayed mean of measured drafting seconds per request) - a drafter that costs about a target
         step per token pays only through long accepted chains. False skips the drafter for the
         step; allocation can only cut drafts further."""
         if not self.costs or sampled <= 0:
@@ -315,7 +318,8 @@ class DraftAllocator:
         expected, with_one = float(sampled), 0.0
         for n, p in enumerate(self.calibration.mean_chain(self.longest_draft), start=1):
             expected += requests * p
-            with_one = max(with_one, expected / (self.costs(fixed_tokens + requests * n) + self.draft_seconds))
+            with_one = max(with_one, expected / (self.costs(fixed_tokens + requests * n)
+                                                 + requests * self.draft_seconds_per_request))
         # a skipped step still drafts now and then, so the calibration keeps learning what drafts
         # are worth now (text turns repetitive, the batch shrinks, the first few drafts were
         # unlucky): after EXPLORE_EVERY skipped steps, backing off to MAX_EXPLORE_EVERY while
@@ -337,8 +341,10 @@ class DraftAllocator:
         sampled = self._credited(fixed_tokens, sampled, decode_tokens)
         return best_allocation(accept, fixed_tokens, sampled, self.costs, extra_seconds)[1]
 
-    def observe_drafting(self, seconds: float) -> None:
-        self.draft_seconds += 0.1 * (seconds - self.draft_seconds)
+    def observe_drafting(self, seconds: float, requests: int = 1) -> None:
+        """A step spent `seconds` drafting for `requests` requests."""
+        per_request = seconds / max(1, requests)
+        self.draft_seconds_per_request += 0.1 * (per_request - self.draft_seconds_per_request)
 
     def choose(self, drafts: list[Draft | None], fixed_tokens: int, sampled: int,
                whole: list[Draft] = (), decode_tokens: int | None = None) -> list[int]:
@@ -388,7 +394,7 @@ class DraftAllocator:
 
     def table(self) -> dict:
         return {"steps": self.steps, "steps_without_drafting": self.skipped, "draft_tokens_offered": self.offered,
-                "draft_tokens_kept": self.kept, "drafting_ms": round(self.draft_seconds * 1000, 3),
+                "draft_tokens_kept": self.kept, "drafting_ms_per_request": round(self.draft_seconds_per_request * 1000, 3),
                 "step_cost_scale": round(self.costs.scale, 3),
                 "step_overhead_ms": round(self.costs.overhead * 1000, 3),
                 "calibration": self.calibration.table()}

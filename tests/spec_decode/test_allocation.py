@@ -272,3 +272,15 @@ def test_the_mean_chain_asked_every_step_follows_each_new_observation():
     after = cal.mean_chain(3)
     assert after[0] < 0.2 < before[0]
     assert after == AcceptanceCalibration(cells=cal.cells, groups=cal.groups).mean_chain(3)
+
+
+def test_drafting_is_priced_per_request_it_drafts_for():
+    """Drafting seconds learned from exploring steps (two requests) are not the price of drafting
+    for a batch of 32: at 1 ms a request, drafts that pay at batch 2 do not pay at batch 32."""
+    al = DraftAllocator(StepCosts({1: 0.010, 32: 0.016, 64: 0.022, 128: 0.034}))
+    d = Draft.chain([1, 2], "suffix", [0.9, 0.8])
+    for _ in range(100):
+        al.observe(d, 2)                            # accepted: drafting would pay were it free
+        al.observe_drafting(0.002, 2)               # an exploring step: two requests, 1 ms each
+    assert al.worth_drafting(2, 2)
+    assert not al.worth_drafting(32, 32)

@@ -175,7 +175,7 @@ def test_the_cost_aware_hybrid_is_lossless_and_drafts_with_both(models, referenc
     monkeypatch.setattr(StepCosts, "__bool__", lambda self: True)
     monkeypatch.setattr(StepCosts, "__call__", lambda self, tokens: 5e-3 + 5e-4 * tokens)
     monkeypatch.setattr(StepCosts, "observe_step", lambda self, *a: None)
-    monkeypatch.setattr(DraftAllocator, "observe_drafting", lambda self, seconds: None)
+    monkeypatch.setattr(DraftAllocator, "observe_drafting", lambda self, seconds, requests=1: None)
     monkeypatch.setattr(DraftModelProposer, "drafting_seconds", lambda self, n, k: 2e-5 * k * (1 + 0.1 * n))
     target, _ = models
     llm, outs = _run(target, _spec(target, hybrid="suffix", allocate_drafts=True,
