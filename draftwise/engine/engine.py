@@ -4,6 +4,7 @@ changed."""
 from __future__ import annotations
 
 import dataclasses
+import gc
 import itertools
 import logging
 import time
@@ -24,6 +25,20 @@ from draftwise.structured_output import GrammarCompiler, RequestGrammar
 from draftwise.worker.worker import Worker
 
 logger = logging.getLogger("draftwise")
+
+
+def freeze_startup_objects() -> None:
+    """Move every object alive after start-up out of the cyclic garbage collector's reach.
+
+    A loaded engine holds a few hundred thousand long-lived Python objects (the tokenizer's and the
+    GGUF file's vocabulary, the modules); a full collection walks them all, ~0.2 s during which every
+    running request stalls, and it comes round whenever enough objects have survived since the last
+    one - sooner with a drafter that allocates every step (suffix decoding's indexes). Frozen,
+    collections walk only what serving allocated (vLLM's engine core does the same). What an
+    earlier engine of this process froze is unfrozen first, so one dropped since is collected."""
+    gc.unfreeze()
+    gc.collect()
+    gc.freeze()
 
 
 class LLMEngine:
@@ -53,6 +68,7 @@ class LLMEngine:
         self._inflight = None                 # async scheduling: (SchedulerOutput, Future) of the running step
         self._grammar_compiler = None
         self._pool = None
+        freeze_startup_objects()
 
     def shutdown(self) -> None:
         """Finish an in-flight step and stop worker threads / tensor-parallel workers (idempotent)."""
@@ -304,7 +320,8 @@ class LLMEngine:
         if self.policy is not None:
             self.policy.observe_draft_time(len(sched.scheduled), k, t_draft)
         if allocator is not None:
-            allocator.observe_drafting(t_draft)
+            asked = len(sched.scheduled) if limit is None else min(limit, len(sched.scheduled))
+            allocator.observe_drafting(t_draft, asked)
         self.scheduler.add_drafts(sched, drafts)
 
     def _emit(self, updates: list[RequestUpdate]) -> list[RequestOutput]:
