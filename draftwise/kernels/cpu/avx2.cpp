@@ -374,41 +374,43 @@ inline void rms_norm_row_bf16(const float* x, const float* w, int r, int H, floa
   for (; j < H; ++j) o[j] = to_bf16(w[j] * (xr[j] * inv));
 }
 
-// out = bf16(silu(gate) * up) for one row of [gate | up] (I each); silu(g) = g / (1 + exp(-g))
-inline void silu_mul_row(const float* gu, int I, uint16_t* out) {
+// a gated MLP's activation, of 8 gate lanes and of one gate value (a row's tail)
+struct SiluGate {                                 // silu(g) = g / (1 + exp(-g))
+  static __m256 lanes(__m256 g) {
+    return _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), exp256(_mm256_sub_ps(_mm256_setzero_ps(), g))));
+  }
+  static float one(float g) { return g / (1.0f + std::exp(-g)); }
+};
+
+// gelu_tanh: 0.5 g (1 + tanh(t)) written as g / (1 + exp(-2 t)), t = sqrt(2 / pi) (g + 0.044715 g^3),
+// so one exp serves (a -2 t past exp's range gives the limit, -0 or a tiny quotient)
+struct GeluGate {
+  static __m256 lanes(__m256 g) {
+    const __m256 g3 = _mm256_mul_ps(_mm256_mul_ps(g, g), g);
+    const __m256 t = _mm256_mul_ps(_mm256_set1_ps(GELU_K), _mm256_fmadd_ps(_mm256_set1_ps(GELU_C), g3, g));
+    const __m256 e = exp256(_mm256_mul_ps(_mm256_set1_ps(-2.0f), t));
+    return _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+  }
+  static float one(float g) { return gelu_tanh(g); }
+};
+
+// out = bf16(act(gate) * up) for one row of [gate | up] (I each), 8 lanes at a time
+template <typename Act>
+inline void gated_mul_row(const float* gu, int I, uint16_t* out) {
   const float* g = gu;
   const float* u = gu + I;
   alignas(32) float tmp[8];
   int i = 0;
   for (; i + 8 <= I; i += 8) {
-    const __m256 gv = _mm256_loadu_ps(g + i);
-    const __m256 e = exp256(_mm256_sub_ps(_mm256_setzero_ps(), gv));
-    const __m256 sv = _mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
-    _mm256_store_ps(tmp, _mm256_mul_ps(sv, _mm256_loadu_ps(u + i)));
+    _mm256_store_ps(tmp, _mm256_mul_ps(Act::lanes(_mm256_loadu_ps(g + i)), _mm256_loadu_ps(u + i)));
     to_bf16_n(tmp, out + i, 8);
   }
-  for (; i < I; ++i) out[i] = to_bf16(g[i] / (1.0f + std::exp(-g[i])) * u[i]);
+  for (; i < I; ++i) out[i] = to_bf16(Act::one(g[i]) * u[i]);
 }
 
-// out = bf16(gelu_tanh(gate) * up) for one row of [gate | up] (Gemma's MLP), 8 lanes at a time:
-// 0.5 g (1 + tanh(t)) written as g / (1 + exp(-2 t)), t = sqrt(2 / pi) (g + 0.044715 g^3), so one
-// exp serves (exp256 clamps, so a large -2 t gives a tiny quotient, the limit)
-inline void gelu_mul_row(const float* gu, int I, uint16_t* out) {
-  const float* g = gu;
-  const float* u = gu + I;
-  alignas(32) float tmp[8];
-  int i = 0;
-  for (; i + 8 <= I; i += 8) {
-    const __m256 gv = _mm256_loadu_ps(g + i);
-    const __m256 g3 = _mm256_mul_ps(_mm256_mul_ps(gv, gv), gv);
-    const __m256 t = _mm256_mul_ps(_mm256_set1_ps(GELU_K), _mm256_fmadd_ps(_mm256_set1_ps(GELU_C), g3, gv));
-    const __m256 e = exp256(_mm256_mul_ps(_mm256_set1_ps(-2.0f), t));
-    const __m256 gelu = _mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
-    _mm256_store_ps(tmp, _mm256_mul_ps(gelu, _mm256_loadu_ps(u + i)));
-    to_bf16_n(tmp, out + i, 8);
-  }
-  for (; i < I; ++i) out[i] = to_bf16(gelu_tanh(g[i]) * u[i]);
-}
+inline void silu_mul_row(const float* gu, int I, uint16_t* out) { gated_mul_row<SiluGate>(gu, I, out); }
+inline void gelu_mul_row(const float* gu, int I, uint16_t* out) { gated_mul_row<GeluGate>(gu, I, out); }
+
 
 // index of the first maximum of x[0, n) (torch.argmax's rules: the first maximum; a NaN counts as
 // the maximum, so the first NaN wins), 8 lanes at a time

@@ -633,41 +633,43 @@ AVX512F void rms_norm_row_bf16(const float* x, const float* w, int r, int H, flo
   }
 }
 
-// out = bf16(silu(gate) * up) for one row of [gate | up] (I each); silu(g) = g / (1 + exp(-g))
-AVX512F void silu_mul_row(const float* gu, int I, uint16_t* out) {
+// a gated MLP's activation, of 16 gate lanes and of one gate value (a row's tail)
+struct SiluGate {                                 // silu(g) = g / (1 + exp(-g))
+  AVX512F static __m512 lanes(__m512 g) {
+    return _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), exp512(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+  }
+  static float one(float g) { return g / (1.0f + std::exp(-g)); }
+};
+
+// gelu_tanh: 0.5 g (1 + tanh(t)) written as g / (1 + exp(-2 t)), t = sqrt(2 / pi) (g + 0.044715 g^3),
+// so one exp serves (a -2 t past exp's range gives the limit, -0 or a tiny quotient)
+struct GeluGate {
+  AVX512F static __m512 lanes(__m512 g) {
+    const __m512 g3 = _mm512_mul_ps(_mm512_mul_ps(g, g), g);
+    const __m512 t = _mm512_mul_ps(_mm512_set1_ps(GELU_K), _mm512_fmadd_ps(_mm512_set1_ps(GELU_C), g3, g));
+    const __m512 e = exp512(_mm512_mul_ps(_mm512_set1_ps(-2.0f), t));
+    return _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
+  }
+  static float one(float g) { return gelu_tanh(g); }
+};
+
+// out = bf16(act(gate) * up) for one row of [gate | up] (I each), 16 lanes at a time
+template <typename Act>
+AVX512F void gated_mul_row(const float* gu, int I, uint16_t* out) {
   const float* g = gu;
   const float* u = gu + I;
   alignas(64) float tmp[16];
   int i = 0;
   for (; i + 16 <= I; i += 16) {
-    const __m512 gv = _mm512_loadu_ps(g + i);
-    const __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), gv));
-    const __m512 sv = _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
-    _mm512_store_ps(tmp, _mm512_mul_ps(sv, _mm512_loadu_ps(u + i)));
+    _mm512_store_ps(tmp, _mm512_mul_ps(Act::lanes(_mm512_loadu_ps(g + i)), _mm512_loadu_ps(u + i)));
     to_bf16_n(tmp, out + i, 16);
   }
-  for (; i < I; ++i) out[i] = to_bf16(g[i] / (1.0f + std::exp(-g[i])) * u[i]);
+  for (; i < I; ++i) out[i] = to_bf16(Act::one(g[i]) * u[i]);
 }
 
-// out = bf16(gelu_tanh(gate) * up) for one row of [gate | up] (Gemma's MLP), 16 lanes at a time:
-// 0.5 g (1 + tanh(t)) written as g / (1 + exp(-2 t)), t = sqrt(2 / pi) (g + 0.044715 g^3), so one
-// exp serves (an overflow to +inf gives -0, the limit)
-AVX512F void gelu_mul_row(const float* gu, int I, uint16_t* out) {
-  const float* g = gu;
-  const float* u = gu + I;
-  alignas(64) float tmp[16];
-  int i = 0;
-  for (; i + 16 <= I; i += 16) {
-    const __m512 gv = _mm512_loadu_ps(g + i);
-    const __m512 g3 = _mm512_mul_ps(_mm512_mul_ps(gv, gv), gv);
-    const __m512 t = _mm512_mul_ps(_mm512_set1_ps(GELU_K), _mm512_fmadd_ps(_mm512_set1_ps(GELU_C), g3, gv));
-    const __m512 e = exp512(_mm512_mul_ps(_mm512_set1_ps(-2.0f), t));
-    const __m512 gelu = _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
-    _mm512_store_ps(tmp, _mm512_mul_ps(gelu, _mm512_loadu_ps(u + i)));
-    to_bf16_n(tmp, out + i, 16);
-  }
-  for (; i < I; ++i) out[i] = to_bf16(gelu_tanh(g[i]) * u[i]);
-}
+AVX512F void silu_mul_row(const float* gu, int I, uint16_t* out) { gated_mul_row<SiluGate>(gu, I, out); }
+AVX512F void gelu_mul_row(const float* gu, int I, uint16_t* out) { gated_mul_row<GeluGate>(gu, I, out); }
+
 
 }  // namespace
 
