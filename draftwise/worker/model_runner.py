@@ -185,10 +185,14 @@ class ModelRunner:
         scheds = out.scheduled
         reqs = [s.request for s in scheds]
         ids, pos, qlens, seqlens = [], [], [], []
+        # cache entries are consecutive (tree nodes included); RoPE positions may differ (trees)
+        cache_idx, slots = [], []
         any_tree = any(s.tree is not None for s in scheds)
         for s in scheds:
             n = s.num_new_tokens
             ids.extend(s.token_ids)
+            cache_idx.extend(range(s.start_pos, s.start_pos + n))
+            slots.extend(cache_slots(s.request.block_ids, s.start_pos, n, self.block_size))
             if s.tree is not None:
                 # prefix rows at their own positions, then tree nodes at depth-based positions
                 base = s.start_pos + s.num_prefix_tokens - 1
@@ -201,11 +205,6 @@ class ModelRunner:
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         positions = torch.tensor(pos, dtype=torch.long, device=self.device)
         block_tables = self._block_tables(reqs)
-        # cache entries are consecutive (tree nodes included); RoPE positions may differ (trees)
-        cache_idx, slots = [], []
-        for s in scheds:
-            cache_idx.extend(range(s.start_pos, s.start_pos + s.num_new_tokens))
-            slots.extend(cache_slots(s.request.block_ids, s.start_pos, s.num_new_tokens, self.block_size))
         cache_pos = torch.tensor(cache_idx, dtype=torch.long, device=self.device)
         slot_mapping = torch.tensor(slots, dtype=torch.long, device=self.device)
         tree_mask = None
