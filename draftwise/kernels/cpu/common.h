@@ -127,7 +127,7 @@ struct AttnTile {
   int head;              // the KV head
 };
 
-constexpr int64_t ATTN_TILE_ROWS = 8;
+constexpr int64_t ATTN_TILE_ROWS = 16;   // a prefill tile's key and value blocks are widened once for 16 rows
 
 // the call's tiles: each key list's rows split evenly into k tiles of at most ATTN_TILE_ROWS rows,
 // k raised (up to one row per tile) until the tiles of the list, one per KV head each, give every
