@@ -245,6 +245,7 @@ def test_smollm2_replicas_on_two_nodes_match_one_process_and_survive_a_kill(ray_
         srv.stop()
 
 
+@pytest.mark.slow          # ~20 s; TP across Ray nodes stays in tests/distributed/test_tp_ray.py
 def test_a_replica_with_tensor_parallelism_across_the_nodes(model_dir, ray_cluster):
     """`serve --ray-address ... --tensor-parallel-size 2 --distributed-executor-backend ray`: one
     replica whose target is sharded over both nodes answers as the single-process engine does."""

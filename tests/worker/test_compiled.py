@@ -1,6 +1,8 @@
 """Compiled graphs (worker/compiled_graphs.py): bucketing helpers, and compiled greedy output ==
 eager greedy output on a tiny model, with speculation, without compiling while serving."""
 
+import pytest
+
 from draftwise import LLM, SamplingParams
 from draftwise.worker.compiled_graphs import DYNAMIC_PAD, bucket_for
 
@@ -39,6 +41,7 @@ def test_compiled_greedy_equals_eager(tiny_llama, tmp_path, monkeypatch):
     assert all(g.calls > 0 for g in graphs)
 
 
+@pytest.mark.slow          # an opt-in path's variant (~20-30 s): test_compiled_greedy_equals_eager stays
 def test_compiled_eagle3_tree_and_chain_are_lossless(tiny_llama, tmp_path, monkeypatch):
     """Drafter graphs (EAGLE-3 layer and head) compiled too; chain and tree both equal eager AR."""
     from tests.helpers import load_cfg, write_eagle3_checkpoint
@@ -61,6 +64,7 @@ def test_compiled_eagle3_tree_and_chain_are_lossless(tiny_llama, tmp_path, monke
         assert all(g.calls > 0 for g in graphs)
 
 
+@pytest.mark.slow          # an opt-in path's variant (~20-30 s): test_compiled_greedy_equals_eager stays
 def test_compiled_quantized_target_equals_eager(tiny_llama, tmp_path, monkeypatch):
     """The int4 / int8 kernels run inside compiled graphs (no graph break, no fallback) and give the
     eager quantized model's greedy output."""
