@@ -494,10 +494,10 @@ AVX512F inline void transposed_keys(const T* c, const int64_t* slots, int n, int
   }
 }
 
-// Up to 4 pairs' scores against one block of 16 keys held transposed (kt, above), lane j key j's:
-// each score summed exactly as dot_chunks and sum16 sum it, so a pair's bits are the same on either
-// path: lane l's partial x_l = q_l k_l + q_(16+l) k_(16+l) + ... over the chunks in order, then
-// t_g = (x_4g + x_4g+2) + (x_4g+1 + x_4g+3) per group g of four lanes, then (t_0 + t_1) + (t_2 + t_3).
+// Up to 4 pairs' partial scores t_g against one block of 16 keys held transposed (kt, above), lane j
+// key j's, summed as dot_chunks and sum16 sum them, so a pair's bits are the same on either path:
+// lane l's partial x_l = q_l k_l + q_(16+l) k_(16+l) + ... over the chunks in order, then
+// t_g = (x_4g + x_4g+2) + (x_4g+1 + x_4g+3) per group g of four lanes (score_group adds the t_g).
 // Each transposed key row is loaded once for the PB pairs (sum16's shuffles are not needed: the
 // keys already lie across the lanes). One group per call, not inlined: unrolled whole, the
 // compiler hoists every load ahead of the multiplies and spills them.
@@ -523,32 +523,36 @@ __attribute__((noinline)) AVX512F void lane_group_sums(const AttnPair* pairs, co
   for (int p = 0; p < PB; ++p) t[p] = _mm512_add_ps(_mm512_add_ps(x[0][p], x[2][p]), _mm512_add_ps(x[1][p], x[3][p]));
 }
 
+// the scores of pairs [0, PB) of a group against the key block at j0 (transposed in kt): the four
+// lane groups' sums, then (t_0 + t_1) + (t_2 + t_3), stored and folded into the running lane maxima
+// as the untransposed path does (not inlined: inlined, the compiler keeps the key rows in registers
+// across the groups and spills the sums)
 template <int DV, int PB>
-AVX512F inline void scores_transposed(const AttnPair* pairs, const float* kt, __m512* s) {
+__attribute__((noinline)) AVX512F void score_group(const AttnPair* pairs, int64_t j0, const float* kt, __m512 scale_v,
+                                                   float* scores, int64_t stride, float* mx_buf) {
   __m512 t[4][PB];
   for (int g = 0; g < 4; ++g) lane_group_sums<DV, PB>(pairs, kt, g, t[g]);
-#pragma GCC unroll 4
-  for (int p = 0; p < PB; ++p) s[p] = _mm512_add_ps(_mm512_add_ps(t[0][p], t[1][p]), _mm512_add_ps(t[2][p], t[3][p]));
-}
-
-// the scores of pairs [0, PB) of a group against the key block at j0 (transposed in kt), stored
-// and folded into their running lane maxima as the untransposed path does (not inlined: inlined,
-// the compiler keeps the key rows in registers across the groups and spills the sums)
-template <int DV, int PB>
-__attribute__((noinline)) AVX512F void score_group(const AttnPair* pairs, int64_t j0, const float* kt, __m512 scale_v, float* scores,
-                                int64_t stride, float* mx_buf) {
-  __m512 s[PB];
-  scores_transposed<DV, PB>(pairs, kt, s);
 #pragma GCC unroll 4
   for (int p = 0; p < PB; ++p) {
     if (pairs[p].len <= j0) continue;
     const int n = static_cast<int>(std::min<int64_t>(16, pairs[p].len - j0));
     const __mmask16 m = n == 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << n) - 1);
-    const __m512 sc = _mm512_mul_ps(s[p], scale_v);
+    const __m512 s = _mm512_add_ps(_mm512_add_ps(t[0][p], t[1][p]), _mm512_add_ps(t[2][p], t[3][p]));
+    const __m512 sc = _mm512_mul_ps(s, scale_v);
     _mm512_mask_storeu_ps(scores + p * stride + j0, m, sc);
     const __m512 mxv = _mm512_loadu_ps(mx_buf + p * 16);
     _mm512_storeu_ps(mx_buf + p * 16, _mm512_mask_max_ps(mxv, m, mxv, sc));
   }
+}
+
+// pairs [0, pb) of a group (pb <= PB) scored by the group kernel of that size
+template <int DV, int PB>
+AVX512F void score_group_any(int pb, const AttnPair* pairs, int64_t j0, const float* kt, __m512 scale_v, float* scores,
+                             int64_t stride, float* mx_buf) {
+  if constexpr (PB > 1) {
+    if (pb < PB) return score_group_any<DV, PB - 1>(pb, pairs, j0, kt, scale_v, scores, stride, mx_buf);
+  }
+  score_group<DV, PB>(pairs, j0, kt, scale_v, scores, stride, mx_buf);
 }
 
 // H pairs' value sums over keys [j0, j1) (kv: those keys' values in fp32), in key order: each
@@ -606,7 +610,7 @@ AVX512F void values_any(int h, const AttnPair* pairs, const float* scores, int64
 // 16-lane chunks, then sum16), their lane-wise maximum block by block, e^(s - max) and its sum in key
 // order, then the values summed in key order, HB pairs per value load, and one division. DV = D / 16.
 // A tile of many pairs (a prefill's) transposes each key block once and scores 4 pairs per key row
-// with the same sums (scores_transposed), so its bits are those of a tile of one pair.
+// with the same sums (score_group), so its bits are those of a tile of one pair.
 template <typename T, int DV>
 AVX512F void attend_tile(const AttnPair* pairs, int P, int64_t max_len, const T* kc, const T* vc,
                          const int64_t* slots, int64_t slot_stride, float scale, float* scores, int64_t stride,
@@ -625,15 +629,9 @@ AVX512F void attend_tile(const AttnPair* pairs, int P, int64_t max_len, const T*
     const int nk = static_cast<int>(std::min<int64_t>(16, max_len - j0));
     if (transposed) {                        // many pairs: the block transposed once, 4 pairs per key row
       transposed_keys<T, DV>(kc, slots + j0, nk, slot_stride, kv);
-      int p0 = 0;
-      for (; p0 + 4 <= P; p0 += 4)
-        score_group<DV, 4>(pairs + p0, j0, kv, scale_v, scores + p0 * stride, stride, mx_buf + p0 * 16);
-      switch (P - p0) {
-        case 3: score_group<DV, 3>(pairs + p0, j0, kv, scale_v, scores + p0 * stride, stride, mx_buf + p0 * 16); break;
-        case 2: score_group<DV, 2>(pairs + p0, j0, kv, scale_v, scores + p0 * stride, stride, mx_buf + p0 * 16); break;
-        case 1: score_group<DV, 1>(pairs + p0, j0, kv, scale_v, scores + p0 * stride, stride, mx_buf + p0 * 16); break;
-        default: break;
-      }
+      for (int p0 = 0; p0 < P; p0 += 4)
+        score_group_any<DV, 4>(std::min(4, P - p0), pairs + p0, j0, kv, scale_v, scores + p0 * stride, stride,
+                               mx_buf + p0 * 16);
       continue;
     }
     widen_rows<T, DV>(kc, slots + j0, nk, slot_stride, kv);
