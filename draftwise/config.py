@@ -145,8 +145,8 @@ class SpeculativeConfig:
     # n-gram
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
-    # "fused": greedy rejection inside the target forward when every request is greedy;
-    # "logits": always return logits and run the probabilistic sampler.
+    # "fused": when every request is greedy, verify on the rows' argmax alone (no probabilities);
+    # "logits": always run the probabilistic sampler on the logits.
     rejection_sampler: str = "fused"
     # choose per step how many tokens to speculate from measured step costs (spec_decode/policy.py)
     adaptive: bool = False

@@ -28,7 +28,7 @@ from draftwise import LLM
 from draftwise.kernels import forced_isa, isa, row_argmax
 from draftwise.machine import isa_summary
 from draftwise.models.loader import DEFAULT_MODEL
-from draftwise.sample.rejection_sampler import greedy_rejection_sample
+from draftwise.sample.rejection_sampler import greedy_accept
 
 FORMATS = {"fp32": dict(quantization=None, dtype="float32"), "bf16": dict(quantization=None, dtype="bfloat16"),
            "int8": dict(quantization="int8", dtype="float32"), "int4": dict(quantization="int4", dtype="float32"),
@@ -112,15 +112,14 @@ def _measure(llm, fmt: str, threads: list[int], rows: list[int], contexts: list[
                 inputs = runner.scratch_step_inputs(m, ctx, requests)
                 h, _ = runner.model.run_layers(*inputs[:3], runner.kv_cache)
                 best_head = best_layers = best_sample = float("inf")
-                drafts = torch.zeros(requests, max(m - 1, 1), dtype=torch.long)
-                nd = torch.full((requests,), m - 1)
+                drafts = [[0] * (m - 1)] * requests
                 for _ in range(repeats):
                     t0 = time.perf_counter()
                     runner.model.run_layers(*inputs[:3], runner.kv_cache)
                     t1 = time.perf_counter()
                     logits = runner.model.compute_logits(h)
                     t2 = time.perf_counter()
-                    greedy_rejection_sample(row_argmax(logits), drafts, nd).tolist()
+                    greedy_accept(row_argmax(logits).tolist(), drafts)
                     t3 = time.perf_counter()
                     best_layers, best_head, best_sample = (min(best_layers, t1 - t0), min(best_head, t2 - t1),
                                                            min(best_sample, t3 - t2))

@@ -29,6 +29,7 @@ every verified token costs about what a decoded one does and only near-certain d
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from draftwise.spec_decode.draft import Draft
@@ -53,37 +54,50 @@ def monotone(points: list[tuple[int, float]]) -> list[tuple[int, float]]:
 class StepCosts:
     """Seconds of one whole step by token count: `scale * forward(T) + overhead`.
 
-    `forward(T)` is the start-up table `points`: the target forward's measured seconds at a few
-    token counts (one request, short context, cached per model and machine), interpolated
+    `forward(T)` starts as the start-up table `measured`: the target forward's measured seconds at
+    a few token counts (one request, short context, cached per model and machine), interpolated
     piecewise-linearly and extrapolated linearly past the largest. A served step differs: its
     rows belong to many requests with long contexts, the machine may run slower than when the
     table was measured, and scheduling and sampling run around the forward. The engine reports
-    every step's forward seconds and the rest of its wall time but drafting (weighed apart);
-    `scale` is the decayed ratio of measured forward seconds to the table's, `overhead` the
-    decayed mean of the rest."""
+    every step's forward seconds and the rest of its wall time but drafting (weighed apart).
 
-    def __init__(self, points: dict[int, float] | None = None, decay: float = 0.97):
-        self.points = monotone(sorted((int(t), float(c)) for t, c in (points or {}).items() if c > 0))
-        self.decay = decay
+    The served forwards correct two things, in log space: the machine's *speed* (`scale`, common
+    to every size) and the table's *shape* (a factor per point, `shape`). Each step's error,
+    log(served / predicted), moves the scale by `rate` of it (by more over the first steps: their
+    running mean). The shape learns from how a step's
+    error differs from the recent steps' (a decayed mean over every size): a slow spell makes
+    every size's error alike and leaves the shape alone, while a size that keeps costing more or
+    less than the others moves the points around it by `shape_rate` of the difference, weighted
+    as the interpolation weighs them. The informed points' shape is then re-centred (its mean,
+    weighted by how much the steps informed each point, moves into the scale), so a size the
+    steps never reach is priced at the table's shape times the common speed. Without the shape, a table measured during a busy
+    spell of the machine (two tokens priced at twice one, where served steps show them level)
+    would keep the allocation from drafting for as long as the cache holds it. `overhead` is the
+    decayed mean of the rest of a step's time."""
+
+    MAX_ERROR = 0.7        # a step's log error is clipped to this (a collector pause moves little)
+
+    def __init__(self, points: dict[int, float] | None = None, rate: float = 0.03, shape_rate: float = 0.1,
+                 decay: float = 0.97):
+        self.measured = monotone(sorted((int(t), float(c)) for t, c in (points or {}).items() if c > 0))
+        self.shaped = list(self.measured)   # the table with the served steps' shape
+        self.points = list(self.measured)   # ... made non-decreasing: what steps are priced at
+        self.rate, self.shape_rate, self.decay = rate, shape_rate, decay
         self.scale, self.overhead = 1.0, 0.0
-        self._sums = [0.0, 0.0, 0.0, 0.0]   # decayed: steps, table seconds, forward seconds, other seconds
+        self._log_shape = [0.0] * len(self.measured)
+        self._mass = [0.0] * len(self.measured)      # how much the served steps informed each point
+        self._recent_error = 0.0                      # decayed mean of the last steps' log errors
+        self._other = [0.0, 0.0]                      # decayed: steps, other seconds
+
+    @property
+    def shape(self) -> list[float]:
+        return [math.exp(x) for x in self._log_shape]
 
     def __bool__(self) -> bool:
         return bool(self.points)
 
     def forward(self, tokens: int) -> float:
-        pts = self.points
-        if not pts:
-            return 0.0
-        if tokens <= pts[0][0]:
-            return pts[0][1]
-        for (t0, c0), (t1, c1) in zip(pts, pts[1:]):
-            if tokens <= t1:
-                return c0 + (c1 - c0) * (tokens - t0) / (t1 - t0)
-        if len(pts) == 1:
-            return pts[0][1] * tokens / pts[0][0]
-        (t0, c0), (t1, c1) = pts[-2], pts[-1]
-        return c1 + (c1 - c0) * (tokens - t1) / (t1 - t0)
+        return _interpolate(self.points, tokens)
 
     def __call__(self, tokens: int) -> float:
         return self.scale * self.forward(tokens) + self.overhead
@@ -93,11 +107,53 @@ class StepCosts:
         around it but drafting (scheduling, inputs, sampling, outputs) `other_seconds`."""
         if not self.points or tokens <= 0 or forward_seconds <= 0:
             return
-        s = self._sums
-        for i, v in enumerate((1.0, self.forward(tokens), forward_seconds, max(0.0, other_seconds))):
-            s[i] = s[i] * self.decay + v
-        self.scale = min(8.0, max(0.125, s[2] / s[1]))
-        self.overhead = s[3] / s[0]
+        # against the shaped table before it is made non-decreasing: a point capped there must
+        # still see its own error, or its factor would grow without moving any price
+        err = math.log(forward_seconds / (self.scale * _interpolate(self.shaped, tokens)))
+        err = min(self.MAX_ERROR, max(-self.MAX_ERROR, err))
+        # the first steps average their errors (a running mean), then the rate takes over
+        log_scale = math.log(self.scale) + max(self.rate, 1.0 / (1.0 + sum(self._mass))) * err
+        for k, w in _point_weights(self.measured, tokens):
+            self._log_shape[k] += self.shape_rate * w * (err - self._recent_error)
+            self._mass[k] += w
+        self._recent_error += 0.1 * (err - self._recent_error)
+        mass = sum(self._mass)
+        centre = sum(m * x for m, x in zip(self._mass, self._log_shape)) / mass
+        self._log_shape = [x - centre if m > 0 else x for x, m in zip(self._log_shape, self._mass)]
+        self.scale = min(8.0, max(0.125, math.exp(log_scale + centre)))
+        self.shaped = [(t, c * f) for (t, c), f in zip(self.measured, self.shape)]
+        self.points = monotone(self.shaped)
+        o = self._other
+        o[0] = o[0] * self.decay + 1.0
+        o[1] = o[1] * self.decay + max(0.0, other_seconds)
+        self.overhead = o[1] / o[0]
+
+
+def _interpolate(pts: list[tuple[int, float]], tokens: int) -> float:
+    """Piecewise-linear through `pts` (token count, seconds), linear past the last two points."""
+    if not pts:
+        return 0.0
+    if tokens <= pts[0][0]:
+        return pts[0][1]
+    for (t0, c0), (t1, c1) in zip(pts, pts[1:]):
+        if tokens <= t1:
+            return c0 + (c1 - c0) * (tokens - t0) / (t1 - t0)
+    if len(pts) == 1:
+        return pts[0][1] * tokens / pts[0][0]
+    (t0, c0), (t1, c1) = pts[-2], pts[-1]
+    return c1 + (c1 - c0) * (tokens - t1) / (t1 - t0)
+
+
+def _point_weights(pts: list[tuple[int, float]], tokens: int) -> list[tuple[int, float]]:
+    """The points a step of `tokens` tokens informs, weighted as the interpolation weighs them
+    (past either end: the end point alone)."""
+    if tokens <= pts[0][0]:
+        return [(0, 1.0)]
+    for i, ((t0, _), (t1, _)) in enumerate(zip(pts, pts[1:])):
+        if tokens <= t1:
+            w = (tokens - t0) / (t1 - t0)
+            return [(i, 1.0 - w), (i + 1, w)]
+    return [(len(pts) - 1, 1.0)]
 
 
 def _bin(p: float) -> int:
@@ -189,9 +245,10 @@ class AcceptanceCalibration:
         """What `source`'s `length`-node chain is expected to have accepted, node by node: the
         product of its groups' conditional rates along the depths (UNTRIED_RATE per node before
         anything of `source` was observed)."""
+        rates = [self._group_rate(source, b, UNTRIED_RATE) for b in range(len(POSITION_BUCKETS))]
         out, prev = [], 1.0
         for d in range(length):
-            prev *= self._group_rate(source, _position_bucket(d), UNTRIED_RATE)
+            prev *= rates[_position_bucket(d)]
             out.append(prev)
         return out
 
@@ -396,5 +453,6 @@ class DraftAllocator:
         return {"steps": self.steps, "steps_without_drafting": self.skipped, "draft_tokens_offered": self.offered,
                 "draft_tokens_kept": self.kept, "drafting_ms_per_request": round(self.draft_seconds_per_request * 1000, 3),
                 "step_cost_scale": round(self.costs.scale, 3),
+                "step_cost_shape": {t: round(f, 3) for (t, _), f in zip(self.costs.measured, self.costs.shape)},
                 "step_overhead_ms": round(self.costs.overhead * 1000, 3),
                 "calibration": self.calibration.table()}

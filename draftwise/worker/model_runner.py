@@ -11,7 +11,7 @@ import torch
 from draftwise.config import EngineConfig, ModelConfig
 from draftwise.kernels import row_argmax
 from draftwise.layers.attention import CAUSAL, TREE, AttentionMetadata, cache_slots, slots_for_positions
-from draftwise.sample.rejection_sampler import greedy_rejection_sample, rejection_sample
+from draftwise.sample.rejection_sampler import greedy_accept, rejection_sample
 from draftwise.sample.sampler import SamplingMetadata
 from draftwise.spec_decode.draft import Draft
 from draftwise.spec_decode.metadata import SpecDecodeMetadata
@@ -252,14 +252,14 @@ class ModelRunner:
         if any_tree:
             new_tokens, accepted_rows = verify_trees(output.logits, scheds, sampling, self.device)
             self.keep_accepted_paths(inp, accepted_rows)
+        elif sampling.all_greedy and self.fused_greedy:
+            # each request's drafts are its last scheduled tokens; the argmax list is the step's
+            # one host sync
+            drafts = [s.token_ids[len(s.token_ids) - k:] if k else [] for s, k in zip(scheds, num_draft)]
+            new_tokens = greedy_accept(row_argmax(output.logits).tolist(), drafts)
         else:
             nd = torch.tensor(num_draft, dtype=torch.long, device=self.device)
-            drafts = spec_meta.draft_matrix()
-            if sampling.all_greedy and self.fused_greedy:
-                tok = greedy_rejection_sample(row_argmax(output.logits), drafts, nd)
-            else:
-                tok = rejection_sample(output.logits, drafts, nd, sampling)
-            rows = tok.tolist()   # the step's one host sync
+            rows = rejection_sample(output.logits, spec_meta.draft_matrix(), nd, sampling).tolist()
             new_tokens = [[t for t in row if t != -1] for row in rows]
         t3 = time.perf_counter()
         step_new, step_acc = [], []

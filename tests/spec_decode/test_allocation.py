@@ -50,9 +50,9 @@ def test_step_costs_interpolate_and_follow_the_served_steps():
     assert c(32) == pytest.approx(0.056)            # extrapolated from the last two points
     for _ in range(200):                            # the served forward runs at twice the table's cost
         c.observe_step(8, 0.034, 0.002)
-    assert c.scale == pytest.approx(2.0, rel=1e-3)
+    assert c.scale == pytest.approx(2.0, rel=1e-2)
     assert c.overhead == pytest.approx(0.002, rel=1e-3)
-    assert c(8) == pytest.approx(0.036, rel=1e-3)
+    assert c(8) == pytest.approx(0.036, rel=1e-2)
     assert not StepCosts() and StepCosts()(5) == 0.0
 
 
@@ -64,6 +64,35 @@ def test_a_size_that_measured_dearer_than_a_larger_one_is_capped():
     # with the slow spell left in, a one-node draft would have looked dearer than it is
     assert allocate([[0.4]], 1, 1, c) == [1]
     assert allocate([[0.4]], 1, 1, lambda t: {1: 0.0051, 2: 0.0085}[t]) == [0]
+
+
+def test_served_steps_correct_a_table_measured_during_a_busy_spell():
+    # cached at start-up while the machine was busy: more than one token priced at ~2x one
+    busy = {1: 4.4e-3, 2: 7.7e-3, 4: 9.6e-3, 8: 14.6e-3}
+    quiet = {1: 3.5e-3, 2: 3.6e-3, 3: 3.8e-3, 4: 4.0e-3, 8: 5.5e-3}
+    c = StepCosts(busy)
+    assert allocate([[0.4]], 1, 1, c) == [0]        # a one-node draft looks too dear to verify
+    for i in range(400):                            # served at 1.2x the quiet cost: decode steps,
+        t = 3 if i % 10 == 9 else 1                 # now and then an exploring step of 3 tokens
+        c.observe_step(t, 1.2 * quiet[t], 0.0)
+    for t in (1, 3):
+        assert c(t) == pytest.approx(1.2 * quiet[t], rel=0.05)
+    assert c(2) / c(1) < 1.15
+    assert allocate([[0.4]], 1, 1, c) == [1]
+    # a size the steps never reached keeps the table's shape against the sizes served most
+    assert c.forward(8) / c.forward(1) == pytest.approx(busy[8] / busy[1], rel=0.1)
+
+
+def test_a_slower_machine_moves_every_size_and_keeps_the_shape():
+    c = StepCosts({1: 1e-3, 2: 1e-3, 4: 2e-3})
+    for i in range(300):
+        t = (1, 2, 4)[i % 3]
+        c.observe_step(t, (1e-3, 1e-3, 3e-3)[i % 3], 0.0)   # 4 tokens cost 3x one, not 2x
+    assert c(4) / c(1) == pytest.approx(3.0, rel=0.05)
+    for _ in range(300):                            # then a slow spell at one size served alone
+        c.observe_step(1, 2e-3, 0.0)
+    assert c(1) == pytest.approx(2e-3, rel=0.05)
+    assert c(4) / c(1) == pytest.approx(3.0, rel=0.1)
 
 
 def test_calibration_learns_an_over_confident_drafter():

@@ -35,13 +35,13 @@ def test_spec_decode_metadata_seed_example():
 
 
 def test_greedy_rejection_sampler():
-    # request 0: drafts [5, 6, 7], target argmax [5, 6, 9] + bonus 4 -> [5, 6, 9, -1]
-    # request 1: no drafts, bonus 8 -> [8, -1, -1, -1]
-    # request 2: drafts [1, 2], all accepted, bonus 3 -> [1, 2, 3, -1]
-    target = torch.tensor([5, 6, 9, 4, 8, 1, 2, 3])
-    drafts = torch.tensor([[5, 6, 7], [-1, -1, -1], [1, 2, -1]])
-    out = rs.greedy_rejection_sample(target, drafts, torch.tensor([3, 0, 2]))
-    assert out.tolist() == [[5, 6, 9, -1], [8, -1, -1, -1], [1, 2, 3, -1]]
+    # request 0: drafts [5, 6, 7], target argmax [5, 6, 9] + bonus 4 -> [5, 6, 9]
+    # request 1: no drafts, bonus 8 -> [8]
+    # request 2: drafts [1, 2], all accepted, bonus 3 -> [1, 2, 3]
+    # request 3: drafts [7], first rejected -> the target's [2]
+    target = [5, 6, 9, 4, 8, 1, 2, 3, 2, 5]
+    out = rs.greedy_accept(target, [[5, 6, 7], [], [1, 2], [7]])
+    assert out == [[5, 6, 9], [8], [1, 2, 3], [2]]
 
 
 def test_probabilistic_sampler_reduces_to_greedy_for_greedy_rows():
