@@ -52,46 +52,44 @@ def monotone(points: list[tuple[int, float]]) -> list[tuple[int, float]]:
 
 
 class StepCosts:
-    """Seconds of one whole step by token count: `scale * forward(T) + overhead`.
+    """Seconds of one whole step by token count: `forward(T) + overhead`.
 
-    `forward(T)` starts as the start-up table `measured`: the target forward's measured seconds at
-    a few token counts (one request, short context, cached per model and machine), interpolated
+    The start-up table `measured` holds the target forward's measured seconds at a few token
+    counts (one request, short context, cached per model and machine), interpolated
     piecewise-linearly and extrapolated linearly past the largest. A served step differs: its
     rows belong to many requests with long contexts, the machine may run slower than when the
     table was measured, and scheduling and sampling run around the forward. The engine reports
     every step's forward seconds and the rest of its wall time but drafting (weighed apart).
 
-    The served forwards correct two things, in log space: the machine's *speed* (`scale`, common
-    to every size) and the table's *shape* (a factor per point, `shape`). Each step's error,
-    log(served / predicted), moves the scale by `rate` of it (by more over the first steps: their
-    running mean). The shape learns from how a step's
-    error differs from the recent steps' (a decayed mean over every size): a slow spell makes
-    every size's error alike and leaves the shape alone, while a size that keeps costing more or
-    less than the others moves the points around it by `shape_rate` of the difference, weighted
-    as the interpolation weighs them. The informed points' shape is then re-centred (its mean,
-    weighted by how much the steps informed each point, moves into the scale), so a size the
-    steps never reach is priced at the table's shape times the common speed. Without the shape, a table measured during a busy
-    spell of the machine (two tokens priced at twice one, where served steps show them level)
-    would keep the allocation from drafting for as long as the cache holds it. `overhead` is the
-    decayed mean of the rest of a step's time."""
+    Each table point learns its own ratio of served to table seconds from the steps near it
+    (a step's weight shared between the two points around its size, as the interpolation shares
+    it; decayed, so the last few dozen steps there count), pulled towards `scale` - the ratio over
+    every served step - with the weight of `prior` steps; `forward(T)` interpolates the corrected
+    points. A size the steps have not reached is priced at the table's cost times that common
+    ratio, and a point not served for a while drifts back to it (`forget` per step).
 
-    MAX_ERROR = 0.7        # a step's log error is clipped to this (a collector pause moves little)
+    Per point, because the allocation lives on the *shape* of the costs: a table measured during
+    a busy spell (two tokens priced at twice one, where served steps show them level) kept the
+    allocation from drafting for as long as the cache held it, and a batch whose steps alternate
+    between long phases of 4 and of 8 tokens must price each size by its own steps. A size priced
+    too cheap is tried and corrected by its own steps; one priced too dear is tried only by the
+    allocation's explorations, and those now correct it too. `overhead` is the decayed mean of a
+    step's other seconds."""
 
-    def __init__(self, points: dict[int, float] | None = None, rate: float = 0.03, shape_rate: float = 0.1,
-                 decay: float = 0.97):
+    def __init__(self, points: dict[int, float] | None = None, decay: float = 0.97, point_decay: float = 0.95,
+                 prior: float = 2.0, forget: float = 0.999):
         self.measured = monotone(sorted((int(t), float(c)) for t, c in (points or {}).items() if c > 0))
-        self.shaped = list(self.measured)   # the table with the served steps' shape
-        self.points = list(self.measured)   # ... made non-decreasing: what steps are priced at
-        self.rate, self.shape_rate, self.decay = rate, shape_rate, decay
+        self.points = list(self.measured)   # the table corrected by the served steps, non-decreasing
+        self.decay, self.point_decay, self.prior, self.forget = decay, point_decay, prior, forget
         self.scale, self.overhead = 1.0, 0.0
-        self._log_shape = [0.0] * len(self.measured)
-        self._mass = [0.0] * len(self.measured)      # how much the served steps informed each point
-        self._recent_error = 0.0                      # decayed mean of the last steps' log errors
-        self._other = [0.0, 0.0]                      # decayed: steps, other seconds
+        self._sums = [0.0, 0.0, 0.0, 0.0]   # decayed: steps, table seconds, forward seconds, other seconds
+        self._near = [[0.0, 0.0] for _ in self.measured]   # per point, decayed: served seconds, table seconds
 
     @property
-    def shape(self) -> list[float]:
-        return [math.exp(x) for x in self._log_shape]
+    def ratios(self) -> list[float]:
+        """Each point's served / table seconds (the common `scale` where no step came near)."""
+        return [(served + self.prior * c * self.scale) / (table + self.prior * c)
+                for (_, c), (served, table) in zip(self.measured, self._near)]
 
     def __bool__(self) -> bool:
         return bool(self.points)
@@ -100,33 +98,27 @@ class StepCosts:
         return _interpolate(self.points, tokens)
 
     def __call__(self, tokens: int) -> float:
-        return self.scale * self.forward(tokens) + self.overhead
+        return self.forward(tokens) + self.overhead
 
     def observe_step(self, tokens: int, forward_seconds: float, other_seconds: float) -> None:
         """A served step of `tokens` tokens: its forward took `forward_seconds`, everything else
         around it but drafting (scheduling, inputs, sampling, outputs) `other_seconds`."""
         if not self.points or tokens <= 0 or forward_seconds <= 0:
             return
-        # against the shaped table before it is made non-decreasing: a point capped there must
-        # still see its own error, or its factor would grow without moving any price
-        err = math.log(forward_seconds / (self.scale * _interpolate(self.shaped, tokens)))
-        err = min(self.MAX_ERROR, max(-self.MAX_ERROR, err))
-        # the first steps average their errors (a running mean), then the rate takes over
-        log_scale = math.log(self.scale) + max(self.rate, 1.0 / (1.0 + sum(self._mass))) * err
+        table = _interpolate(self.measured, tokens)
+        s = self._sums
+        for i, v in enumerate((1.0, table, forward_seconds, max(0.0, other_seconds))):
+            s[i] = s[i] * self.decay + v
+        self.scale = min(8.0, max(0.125, s[2] / s[1]))
+        self.overhead = s[3] / s[0]
+        for near in self._near:
+            near[0] *= self.forget
+            near[1] *= self.forget
         for k, w in _point_weights(self.measured, tokens):
-            self._log_shape[k] += self.shape_rate * w * (err - self._recent_error)
-            self._mass[k] += w
-        self._recent_error += 0.1 * (err - self._recent_error)
-        mass = sum(self._mass)
-        centre = sum(m * x for m, x in zip(self._mass, self._log_shape)) / mass
-        self._log_shape = [x - centre if m > 0 else x for x, m in zip(self._log_shape, self._mass)]
-        self.scale = min(8.0, max(0.125, math.exp(log_scale + centre)))
-        self.shaped = [(t, c * f) for (t, c), f in zip(self.measured, self.shape)]
-        self.points = monotone(self.shaped)
-        o = self._other
-        o[0] = o[0] * self.decay + 1.0
-        o[1] = o[1] * self.decay + max(0.0, other_seconds)
-        self.overhead = o[1] / o[0]
+            near = self._near[k]
+            near[0] = near[0] * self.point_decay + w * forward_seconds
+            near[1] = near[1] * self.point_decay + w * table
+        self.points = monotone([(t, c * r) for (t, c), r in zip(self.measured, self.ratios)])
 
 
 def _interpolate(pts: list[tuple[int, float]], tokens: int) -> float:
@@ -150,7 +142,9 @@ def _point_weights(pts: list[tuple[int, float]], tokens: int) -> list[tuple[int,
     if tokens <= pts[0][0]:
         return [(0, 1.0)]
     for i, ((t0, _), (t1, _)) in enumerate(zip(pts, pts[1:])):
-        if tokens <= t1:
+        if tokens == t1:
+            return [(i + 1, 1.0)]
+        if tokens < t1:
             w = (tokens - t0) / (t1 - t0)
             return [(i, 1.0 - w), (i + 1, w)]
     return [(len(pts) - 1, 1.0)]
@@ -453,6 +447,6 @@ class DraftAllocator:
         return {"steps": self.steps, "steps_without_drafting": self.skipped, "draft_tokens_offered": self.offered,
                 "draft_tokens_kept": self.kept, "drafting_ms_per_request": round(self.draft_seconds_per_request * 1000, 3),
                 "step_cost_scale": round(self.costs.scale, 3),
-                "step_cost_shape": {t: round(f, 3) for (t, _), f in zip(self.costs.measured, self.costs.shape)},
+                "step_cost_ratios": {t: round(f, 3) for (t, _), f in zip(self.costs.measured, self.costs.ratios)},
                 "step_overhead_ms": round(self.costs.overhead * 1000, 3),
                 "calibration": self.calibration.table()}
