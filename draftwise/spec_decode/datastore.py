@@ -22,6 +22,7 @@ import os
 
 import numpy as np
 
+import draftwise.kernels as kernels
 from draftwise.config import cache_dir
 
 SEPARATOR = -1           # between answers: never matches a token
@@ -115,6 +116,18 @@ class Datastore:
         lo, hi = int(self._bounds[t]), int(self._bounds[t + 1])
         if lo >= hi:
             return np.empty(0, dtype=np.int64), 0
+        mod = kernels.load()
+        if mod is not None:              # the same narrowing, compiled (kernels/cpu/suffix.h)
+            lo, hi, depth = mod.suffix_array_narrow(self.order, self.buf, lo, hi, context, max_depth)
+        else:
+            lo, hi, depth = self._narrow(lo, hi, context, max_depth)
+        rows = np.arange(lo, hi) if hi - lo <= MAX_OCCURRENCES else \
+            np.linspace(lo, hi - 1, MAX_OCCURRENCES).astype(np.int64)
+        return self.order[rows].astype(np.int64), depth
+
+    def _narrow(self, lo: int, hi: int, context: np.ndarray, max_depth: int) -> tuple[int, int, int]:
+        """Rows [lo, hi) share the context's last token; narrow them to the rows whose key at each
+        further depth equals the context's token there, while any remain: (lo, hi, depth matched)."""
         depth = 1
         for d in range(1, min(max_depth, len(context))):
             want = int(context[-1 - d])
@@ -127,9 +140,7 @@ class Datastore:
             if a >= b:
                 break
             lo, hi, depth = a, b, d + 1
-        rows = np.arange(lo, hi) if hi - lo <= MAX_OCCURRENCES else \
-            np.linspace(lo, hi - 1, MAX_OCCURRENCES).astype(np.int64)
-        return self.order[rows].astype(np.int64), depth
+        return lo, hi, depth
 
     def _bisect(self, lo: int, hi: int, d: int, want: int, right: bool) -> int:
         """First row in [lo, hi) whose depth-d key is >= want (> want when `right`)."""

@@ -24,7 +24,8 @@ the kept nodes' probabilities; between the two corpora the higher score wins, an
 The suffix structure is an occurrence index rather than an explicit tree (same statistics, memory
 linear in the tokens instead of tokens x depth): a bigram -> positions map (unigram as a fallback),
 matches extended backwards with vectorized numpy comparisons, continuations counted with numpy.
-A step costs tens of microseconds per request.
+A step costs tens of microseconds per request: the searches run compiled (kernels/cpu/suffix.h,
+the same drafts as the numpy code here, which serves where no CPU kernels load).
 """
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ from collections import deque
 
 import numpy as np
 
+import draftwise.kernels as kernels
 from draftwise.spec_decode.draft import Draft
 from draftwise.spec_decode.proposer import Proposer, ProposerInput
 
@@ -42,6 +44,12 @@ MAX_OCCURRENCES = 256     # most recent occurrences of a suffix considered (boun
 
 def no_draft() -> Draft:
     return Draft([], [], SuffixProposer.method, [])
+
+
+def search_kernels():
+    """The compiled search (draftwise/kernels/cpu/suffix.h: the same drafts as the numpy code
+    here, without numpy's per-operation cost) where the CPU kernels load, else None."""
+    return kernels.load()
 
 
 class TokenIndex:
@@ -111,6 +119,19 @@ def match_lengths(buf: np.ndarray, cand: np.ndarray, context: np.ndarray, known:
     return m
 
 
+def longest_match(buf: np.ndarray, cand: np.ndarray, context: np.ndarray, known: int,
+                  max_depth: int) -> tuple[np.ndarray, int]:
+    """The candidates whose common suffix with `context` is longest (match_lengths' maximum), in
+    their order, and that length."""
+    mod = search_kernels()
+    if mod is not None:
+        best, occ = mod.suffix_longest_match(buf, cand, context, known, max_depth)
+        return occ, best
+    m = match_lengths(buf, cand, context, known, max_depth)
+    best = int(m.max())
+    return cand[m == best], best
+
+
 def build_draft(buf: np.ndarray, n: int, occ: np.ndarray, match_len: int, max_draft: int,
                 max_spec_factor: float, min_token_prob: float, tree: bool) -> Draft:
     """Draft from the continuations of the occurrences `occ` of a suffix of length `match_len`;
@@ -119,6 +140,8 @@ def build_draft(buf: np.ndarray, n: int, occ: np.ndarray, match_len: int, max_dr
     draft = no_draft()
     if depth_limit <= 0 or len(occ) == 0:
         return draft
+    if not tree:
+        return chain_draft(buf, n, occ, min(depth_limit, max_draft), min_token_prob)
     cols = occ[:, None] + 1 + np.arange(depth_limit)[None, :]
     conts = np.where(cols < n, buf[np.minimum(cols, n - 1)], SEPARATOR)      # [n_occ, depth]
     total = len(occ)
@@ -147,8 +170,6 @@ def build_draft(buf: np.ndarray, n: int, occ: np.ndarray, match_len: int, max_dr
             heapq.heappush(heap, (-p, tie, parent, tok, rows[col == tok], depth + 1))
             tie += 1
 
-    if not tree:
-        return _chain_draft(draft, conts, total, depth_limit, max_draft, min_token_prob)
     push_children(-1, np.arange(total), 0)
     while heap and len(draft) < max_draft:       # best-first by path probability
         negp, _, parent, tok, rows, depth = heapq.heappop(heap)
@@ -159,14 +180,25 @@ def build_draft(buf: np.ndarray, n: int, occ: np.ndarray, match_len: int, max_dr
     return draft
 
 
-def _chain_draft(draft: Draft, conts: np.ndarray, total: int, depth_limit: int, max_draft: int,
-                 min_token_prob: float) -> Draft:
+def chain_draft(buf: np.ndarray, n: int, occ: np.ndarray, limit: int, min_token_prob: float) -> Draft:
     """The chain build_draft's best-first search yields (the most frequent continuation at each
-    depth, path probability = its occurrences / all occurrences), without the search: where every
-    remaining occurrence continues alike for several tokens - the common case, one occurrence
-    always - the whole run is taken at once."""
+    depth, path probability = its occurrences / all occurrences), at most `limit` tokens."""
+    mod = search_kernels()
+    if mod is not None:
+        tokens, probs = mod.suffix_chain(buf, n, occ, limit, min_token_prob)
+        return Draft(tokens, list(range(-1, len(tokens) - 1)), SuffixProposer.method, probs)
+    return _chain_draft_numpy(buf, n, occ, limit, min_token_prob)
+
+
+def _chain_draft_numpy(buf: np.ndarray, n: int, occ: np.ndarray, limit: int, min_token_prob: float) -> Draft:
+    """chain_draft without the search: where every remaining occurrence continues alike for
+    several tokens - the common case, one occurrence always - the whole run is taken at once."""
+    draft = no_draft()
+    cols = occ[:, None] + 1 + np.arange(limit)[None, :]
+    conts = np.where(cols < n, buf[np.minimum(cols, n - 1)], SEPARATOR)      # [n_occ, limit]
+    total = len(occ)
     rows = np.arange(total)
-    depth, limit = 0, min(depth_limit, max_draft)
+    depth = 0
     while depth < limit:
         block = conts[rows, depth:limit]
         agree = (block == block[0]).all(axis=0) & (block[0] != SEPARATOR)
@@ -252,10 +284,8 @@ class SuffixCache:
         cand, known = index.candidates(context, exclude_last)
         if len(cand) == 0:
             return no_draft()
-        m = match_lengths(index.buf, cand, context, known, self.max_depth)
-        best = int(m.max())
-        return build_draft(index.buf, index.n, cand[m == best], best, max_draft, self.factor,
-                           self.min_prob, tree)
+        occ, best = longest_match(index.buf, cand, context, known, self.max_depth)
+        return build_draft(index.buf, index.n, occ, best, max_draft, self.factor, self.min_prob, tree)
 
     def speculate(self, request_id: str, all_token_ids: list[int], max_draft: int,
                   tree: bool = False) -> Draft:

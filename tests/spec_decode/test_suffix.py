@@ -156,3 +156,34 @@ def test_chain_drafts_follow_the_most_frequent_continuation():
         toks, probs = _naive_chain(buf, n, occ, ml, md, mp)
         assert d.token_ids == toks and d.parents == list(range(-1, len(toks) - 1))
         assert np.allclose(d.probs, probs)
+
+
+@pytest.mark.parametrize("factor,min_prob,tree", [(1.0, 0.1, False), (4.0, 0.0, False), (2.0, 0.05, True)])
+def test_compiled_search_drafts_what_the_numpy_search_drafts(monkeypatch, factor, min_prob, tree):
+    from draftwise import kernels
+    from draftwise.spec_decode.datastore import SEPARATOR, Datastore
+    if kernels.load() is None:
+        pytest.skip("no CPU kernels on this machine: the numpy search serves alone")
+    rng = np.random.default_rng(0)
+    # phrases over a small vocabulary, repeated with variations: long matches, ties in the counts
+    phrases = [rng.integers(0, 40, int(rng.integers(3, 12))).tolist() for _ in range(30)]
+
+    def text(n):
+        return [t for _ in range(n) for t in phrases[int(rng.integers(0, 30))]]
+    answers = [text(int(rng.integers(2, 12))) for _ in range(60)]
+    store = Datastore(np.array([t for a in answers for t in a + [SEPARATOR]], dtype=np.int32))
+    requests = [(text(3), text(6)) for _ in range(6)]
+
+    def drafts():
+        cache = SuffixCache(6, 3, factor, min_prob, store)        # contexts often match to full depth
+        out = []
+        for r, (prompt, answer) in enumerate(requests):
+            for i in range(len(answer)):
+                d = cache.speculate(str(r), prompt + answer[:i], 8, tree)
+                out.append((d.token_ids, d.parents, d.probs))
+            cache.finish_request(str(r), answer)
+        return out
+    compiled = drafts()
+    monkeypatch.setattr(kernels, "load", lambda: None)
+    assert drafts() == compiled
+    assert sum(1 for toks, _, _ in compiled if len(toks) >= 2) > len(compiled) // 2

@@ -19,6 +19,8 @@
 //   bool amx_available();  and the macro KERNEL_ISA (the ISA's name)
 #pragma once
 
+#include "suffix.h"
+
 #include <ATen/record_function.h>
 
 namespace draftwise {
@@ -309,6 +311,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       }))
       .def("run", &FusedStack::run, py::call_guard<py::gil_scoped_release>(),
            "every layer of a row-by-row step: (x after the stack, x before each captured layer)");
+  m.def("suffix_longest_match", &suffix_longest_match,
+        "suffix decoding: the longest common suffix of the context among candidate positions, and those reaching it");
+  m.def("suffix_chain", &suffix_chain, "suffix decoding: the chain of most frequent continuations of occurrences");
+  m.def("suffix_array_narrow", &suffix_array_narrow,
+        "suffix decoding: narrow a backward suffix array's rows to the context's longest suffix");
   m.def("amx_available", &amx_available);
   m.attr("isa") = KERNEL_ISA;
 }
