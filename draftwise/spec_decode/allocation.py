@@ -29,7 +29,6 @@ every verified token costs about what a decoded one does and only near-certain d
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 from draftwise.spec_decode.draft import Draft
