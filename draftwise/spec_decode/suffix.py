@@ -46,12 +46,6 @@ def no_draft() -> Draft:
     return Draft([], [], SuffixProposer.method, [])
 
 
-def search_kernels():
-    """The compiled search (draftwise/kernels/cpu/suffix.h: the same drafts as the numpy code
-    here, without numpy's per-operation cost) where the CPU kernels load, else None."""
-    return kernels.load()
-
-
 class TokenIndex:
     """A growing token array with bigram and unigram occurrence indexes (positions of the *last*
     token of the n-gram). Positions below `valid_from` belong to evicted sequences."""
@@ -123,7 +117,7 @@ def longest_match(buf: np.ndarray, cand: np.ndarray, context: np.ndarray, known:
                   max_depth: int) -> tuple[np.ndarray, int]:
     """The candidates whose common suffix with `context` is longest (match_lengths' maximum), in
     their order, and that length."""
-    mod = search_kernels()
+    mod = kernels.load()                  # the compiled search (kernels/cpu/suffix.h), if built
     if mod is not None:
         best, occ = mod.suffix_longest_match(buf, cand, context, known, max_depth)
         return occ, best
@@ -183,7 +177,7 @@ def build_draft(buf: np.ndarray, n: int, occ: np.ndarray, match_len: int, max_dr
 def chain_draft(buf: np.ndarray, n: int, occ: np.ndarray, limit: int, min_token_prob: float) -> Draft:
     """The chain build_draft's best-first search yields (the most frequent continuation at each
     depth, path probability = its occurrences / all occurrences), at most `limit` tokens."""
-    mod = search_kernels()
+    mod = kernels.load()                  # the compiled search (kernels/cpu/suffix.h), if built
     if mod is not None:
         tokens, probs = mod.suffix_chain(buf, n, occ, limit, min_token_prob)
         return Draft(tokens, list(range(-1, len(tokens) - 1)), SuffixProposer.method, probs)

@@ -43,13 +43,6 @@ inline TokenView token_view(const py::array& a) {
   return v;
 }
 
-inline std::vector<int64_t> int64_values(const py::array& a) {
-  const TokenView v = token_view(a);
-  std::vector<int64_t> out(v.n);
-  for (int64_t i = 0; i < v.n; ++i) out[i] = v[i];
-  return out;
-}
-
 // match_lengths + the candidates of the longest: for each candidate end position p, the length of
 // the common suffix of `context` and buf[: p + 1] (at least `known`, at most `max_depth`); returns
 // that longest length and the candidates reaching it, in their order.
