@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 from draftwise.config import EngineConfig
 from draftwise.engine.kv_cache import BlockAllocator, block_hashes
 from draftwise.engine.request import Request, RequestStatus
-from draftwise.spec_decode.allocation import DraftAllocator
+from draftwise.spec_decode.allocation import DraftAllocator, watched_outcome
 from draftwise.spec_decode.draft import Draft
 from draftwise.step import ScheduledRequest, SchedulerOutput
 
@@ -53,6 +53,9 @@ class Scheduler:
         self.config = config
         # how much of each draft a step verifies (spec_decode/allocation.py); None: whole drafts
         self.draft_allocator = draft_allocator
+        # drafts the allocation cut whole, by request id: (draft, index of the token its first node
+        # predicts, the exploration that made it or 0), compared with the tokens the target emits
+        self._watched: dict[str, tuple[Draft, int, int]] = {}
         self.block_size = config.block_size
         self.allocator = BlockAllocator(num_blocks, enable_caching=config.enable_prefix_caching)
         self.num_lookahead_tokens = num_lookahead_tokens
@@ -79,6 +82,8 @@ class Scheduler:
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         req.draft = None
+        if req.request_id in self._watched:
+            self._check_watched(req, complete=True)
         self._free(req)
         if req in self.running:
             self.running.remove(req)
@@ -190,9 +195,23 @@ class Scheduler:
         pinned = [r.draft is not None and keeps_whole_drafts(r) for r in running]
         whole = [r.draft for r, pin in zip(running, pinned) if pin]
         drafts = [None if pin else r.draft for r, pin in zip(running, pinned)]
-        for r, d, k in zip(running, drafts, self.draft_allocator.choose(drafts, fixed, sampled, whole, decode)):
-            if d:
-                r.draft = d.truncated(k) if k else None
+        lengths = self.draft_allocator.choose(drafts, fixed, sampled, whole, decode)
+        for r, d, k in zip(running, drafts, lengths):
+            if not d:
+                continue
+            r.draft = d.truncated(k) if k else None
+            if not k and d.is_chain and r.request_id not in self._watched:
+                # not verified: the tokens the target emits next tell whether it would have been
+                self._watched[r.request_id] = (d, r.num_tokens, self.draft_allocator.explored)
+
+    def _check_watched(self, req: Request, complete: bool = False) -> None:
+        """Hand a watched draft's outcome to the allocation once the emitted tokens decide it."""
+        draft, start, exploration = self._watched[req.request_id]
+        verdict = watched_outcome(draft, req.all_token_ids[start:start + len(draft)], complete)
+        if verdict is not None or complete:
+            del self._watched[req.request_id]
+        if verdict is not None:
+            self.draft_allocator.observe_watched(*verdict, exploration)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -267,6 +286,8 @@ class Scheduler:
             appended = self._update(s, new, acc)
             if not new:
                 continue
+            if req.request_id in self._watched:
+                self._check_watched(req)
             if req.metrics.first_token_time is None:
                 req.metrics.first_token_time = now
             req.num_steps += 1

@@ -26,6 +26,16 @@ every verified token costs about what a decoded one does and only near-certain d
   over-confident drafter is corrected within a few hundred drafts,
   a drafter without estimates learns its acceptance per position, and a depth rarely verified
   borrows the rate of the depth above it.
+
+A draft the allocation cuts whole is not wasted: the scheduler *watches* it, comparing its tokens
+with those the target goes on to emit, and the calibration counts the agreement as the acceptance
+verification would have found (`watched_outcome`). Under greedy decoding the two are the same
+event; under sampling a one-token-per-node draft (suffix decoding, greedy drafters) is accepted
+with the target's probability of its token, the probability that the target samples it; for a
+drafter that samples its own tokens agreement is the lower bound `sum q p` of `sum min(p, q)`,
+so watching can only make such a drafter look worse than it is. This is how the allocation keeps
+learning where it drafts nothing: every few skipped steps it has a couple of requests drafted
+and watches them (an exploration), at the cost of their drafting and no verified row.
 """
 from __future__ import annotations
 
@@ -147,6 +157,22 @@ def _point_weights(pts: list[tuple[int, float]], tokens: int) -> list[tuple[int,
             w = (tokens - t0) / (t1 - t0)
             return [(i, 1.0 - w), (i + 1, w)]
     return [(len(pts) - 1, 1.0)]
+
+
+def watched_outcome(draft: Draft, emitted: list[int], complete: bool) -> tuple[Draft, int] | None:
+    """What the tokens the target emitted after a draft was made (`emitted`, from the position of
+    the draft's first node) tell of the unverified chain `draft`: (the nodes they decide, how many
+    lead in agreement) - the verification verdict those tokens imply - or None while undecided.
+    Decided at the first disagreement or when every node agreed; a request that ended (`complete`)
+    before either decides only the nodes it reached, and those all agreed."""
+    tokens, n = draft.token_ids, 0
+    while n < len(tokens) and n < len(emitted) and tokens[n] == emitted[n]:
+        n += 1
+    if n == len(tokens) or n < len(emitted):
+        return draft, n
+    if complete and n:
+        return draft.truncated(n), n
+    return None
 
 
 def _bin(p: float) -> int:
@@ -325,7 +351,6 @@ class DraftAllocator:
     EXPLORE_EVERY = 8
     MAX_EXPLORE_EVERY = 64
     EXPLORE_REQUESTS = 2                   # an exploring step drafts for this many requests at most
-    EXPLORE_NODES = 2                      # ... and verifies at least this many nodes of each
 
     def __init__(self, costs: StepCosts, calibration: AcceptanceCalibration | None = None):
         self.costs = costs
@@ -337,7 +362,13 @@ class DraftAllocator:
         self._skips_in_row = 0
         self._explore_every = self.EXPLORE_EVERY
         self._exploring = False
-        self._awaiting_exploration = False  # forced exploration nodes are being verified
+        # which exploration made the drafts the last `choose` cut whole (numbered from 1; 0: none):
+        # their watched outcome sets how many skipped steps pass before the next exploration
+        self.explored = 0
+        self._explorations = 0
+        self._backed_off = 0               # the last exploration that doubled the interval
+        self.watched = 0                   # drafts cut whole whose outcome the target's tokens decided
+        self.watched_agreed = 0            # ... and their nodes that agreed with them
         self.explore_requests: int | None = None   # the next drafting step's request limit (None: all)
         # decayed mean of a step's drafting seconds per request drafted for: an exploring step
         # drafts for a couple of requests, a full one for the whole batch, and pricing the latter
@@ -372,10 +403,10 @@ class DraftAllocator:
                                                  + requests * self.draft_seconds_per_request))
         # a skipped step still drafts now and then, so the calibration keeps learning what drafts
         # are worth now (text turns repetitive, the batch shrinks, the first few drafts were
-        # unlucky): after EXPLORE_EVERY skipped steps, backing off to MAX_EXPLORE_EVERY while
-        # explorations find nothing accepted - and drafts for a couple of requests only: in a
-        # large batch, drafting for every request to learn what one request's drafts would tell
-        # costs a good part of a step
+        # unlucky): after EXPLORE_EVERY skipped steps, backing off to MAX_EXPLORE_EVERY while the
+        # explorations' drafts disagree with the target - for a couple of requests only, and
+        # watched rather than verified where the allocation cuts them (the scheduler compares
+        # them with the tokens emitted next), so an exploration costs their drafting alone
         explore = with_one <= base and self._skips_in_row + 1 >= self._explore_every
         worth = with_one > base or explore
         self._exploring = explore
@@ -412,39 +443,41 @@ class DraftAllocator:
         else:
             lengths = allocate(accept, fixed_tokens, sampled, self.costs)
         if self._exploring:
-            self._exploring = False
-            if sum(lengths):
-                self._explore_every = self.EXPLORE_EVERY
-            else:
-                # the calibration cuts every draft: verify the first nodes of a couple anyway, or
-                # a drafter whose first drafts were unlucky would never be verified again and
-                # its calibrated rate never recover (observe() backs off or resets by the result)
-                lengths = self._forced(accept)
-                self._awaiting_exploration = any(lengths)
-                if not self._awaiting_exploration:
-                    self._explore_every = min(self.MAX_EXPLORE_EVERY, 2 * self._explore_every)
+            self._explorations += 1
+        self.explored = self._explorations if self._exploring and not sum(lengths) else 0
+        if self._exploring and sum(lengths):
+            self._explore_every = self.EXPLORE_EVERY
+        elif self._exploring and not any(accept):       # the drafter had nothing: nothing to watch
+            self._explore_every = min(self.MAX_EXPLORE_EVERY, 2 * self._explore_every)
+        self._exploring = False
         self.steps += 1
         self.offered += sum(len(a) for a in accept)
         self.kept += sum(lengths)
         return lengths
 
-    def _forced(self, accept: list[list[float]]) -> list[int]:
-        lengths, left = [0] * len(accept), self.EXPLORE_REQUESTS
-        for i, row in enumerate(accept):
-            if row and left:
-                lengths[i], left = min(len(row), self.EXPLORE_NODES), left - 1
-        return lengths
-
     def observe(self, draft: Draft | None, num_accepted: int) -> None:
-        if self._awaiting_exploration and draft is not None:
-            self._awaiting_exploration = False
-            self._explore_every = (self.EXPLORE_EVERY if num_accepted else
-                                   min(self.MAX_EXPLORE_EVERY, 2 * self._explore_every))
+        """A verified draft of which the first `num_accepted` nodes were accepted."""
         self.calibration.observe(draft, num_accepted)
+
+    def observe_watched(self, draft: Draft, num_agreed: int, exploration: int = 0) -> None:
+        """A draft cut whole whose first `num_agreed` nodes the target went on to emit (of the
+        nodes in `draft`: `watched_outcome`'s verdict); `exploration`: the exploration that made
+        it (`explored` when it was cut; 0: none). An agreeing exploration draft brings the
+        interval back to EXPLORE_EVERY; an exploration whose drafts disagree doubles it, once."""
+        self.calibration.observe(draft, num_agreed)
+        self.watched += 1
+        self.watched_agreed += num_agreed
+        if exploration and num_agreed:
+            self._explore_every = self.EXPLORE_EVERY
+        elif exploration > self._backed_off:
+            self._backed_off = exploration
+            self._explore_every = min(self.MAX_EXPLORE_EVERY, 2 * self._explore_every)
 
     def table(self) -> dict:
         return {"steps": self.steps, "steps_without_drafting": self.skipped, "draft_tokens_offered": self.offered,
-                "draft_tokens_kept": self.kept, "drafting_ms_per_request": round(self.draft_seconds_per_request * 1000, 3),
+                "draft_tokens_kept": self.kept, "drafts_watched": self.watched,
+                "watched_tokens_agreed": self.watched_agreed,
+                "drafting_ms_per_request": round(self.draft_seconds_per_request * 1000, 3),
                 "step_cost_scale": round(self.costs.scale, 3),
                 "step_cost_ratios": {t: round(f, 3) for (t, _), f in zip(self.costs.measured, self.costs.ratios)},
                 "step_overhead_ms": round(self.costs.overhead * 1000, 3),

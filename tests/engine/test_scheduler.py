@@ -201,3 +201,36 @@ def test_allocator_refuses_a_hash_hit_with_other_tokens():
     pool.cache_block(b, b"k" * 32, [1, 2, 3, 4])
     assert pool.lookup([b"k" * 32], [1, 2, 3, 4], 4) == [b]
     assert pool.lookup([b"k" * 32], [1, 2, 3, 5], 4) == []      # same key, other tokens: a miss
+
+
+def test_a_draft_cut_whole_is_watched_and_the_emitted_tokens_decide_it():
+    """The allocation learns from drafts it does not verify: a draft cut whole is compared with the
+    tokens the target goes on to emit, and the calibration counts the agreement."""
+    from draftwise.spec_decode.allocation import DraftAllocator, StepCosts
+    dear = DraftAllocator(StepCosts({1: 0.001, 64: 0.064}))   # a token costs a token: cut everything
+    s = _sched()
+    s.draft_allocator = dear
+    a, b = _req("a"), _req("b", max_tokens=3)
+    s.add(a)
+    s.add(b)
+    out = s.schedule()
+    s.update_from_output(out, Result([[50], [70]], [0, 0]))
+    s.add_drafts(out, [Draft.chain([51, 52, 53], "suffix", [0.2, 0.1, 0.05]),
+                       Draft.chain([71, 72, 73], "suffix", [0.2, 0.1, 0.05])])
+    out = s.schedule()
+    assert [x.num_draft_tokens for x in out.scheduled] == [0, 0]      # neither verified
+    s.update_from_output(out, Result([[51], [71]], [0, 0]))
+    assert dear.watched == 0                          # both agree so far: undecided
+    before = dict(dear.calibration.groups)
+    out = s.schedule()
+    s.update_from_output(out, Result([[99], [72]], [0, 0]))
+    # a: 51 agreed, then 99 where the draft said 52 - one node accepted, the second rejected;
+    # b: 71, 72 agreed, and the request ended (max_tokens=3) before node 3 was decided
+    assert b.is_finished
+    assert dear.watched == 2 and dear.watched_agreed == 1 + 2
+    acc0, seen0, _ = dear.calibration.groups[("suffix", 0)]
+    assert (acc0, seen0) == pytest.approx((2.0, 2.0), abs=0.01) and ("suffix", 0) not in before
+    acc1, seen1, _ = dear.calibration.groups[("suffix", 1)]
+    assert (acc1, seen1) == pytest.approx((1.0, 2.0), abs=0.01)   # a's rejected second node, b's accepted one
+    assert ("suffix", 2) not in dear.calibration.groups   # b's third node: never decided
+    assert not s._watched

@@ -160,8 +160,9 @@ def test_drafting_is_skipped_where_it_cannot_pay_but_still_explored():
     # an exploring step drafts for a couple of the 16 requests, not all
     assert [lim for d, lim in zip(decisions, limits) if d] == [DraftAllocator.EXPLORE_REQUESTS] * 2
     assert all(lim is None for d, lim in zip(decisions, limits) if not d)
-    # an exploration verifies the first nodes of a couple of drafts even where the calibration
-    # cuts them all; explorations whose nodes are rejected back off: 8, 16, 32, ... skipped steps
+    # where the calibration cuts an exploration's drafts, nothing of them is verified: they are
+    # watched (the scheduler compares them with the tokens the target emits next) and explorations
+    # whose drafts disagree back off: 8, 16, 32, ... skipped steps
     al2 = DraftAllocator(StepCosts({1: 0.001, 64: 0.064}))
     for _ in range(300):
         al2.observe(d, 0)
@@ -170,27 +171,29 @@ def test_drafting_is_skipped_where_it_cannot_pay_but_still_explored():
     for step in range(8 + 16 + 32 + 64 + 64):
         if al2.worth_drafting(16, 16):
             explored.append(step)
-            lengths = al2.choose([two] * 16, 16, 16)
-            assert lengths == [DraftAllocator.EXPLORE_NODES] * DraftAllocator.EXPLORE_REQUESTS + [0] * 14
+            drafts = [two] * DraftAllocator.EXPLORE_REQUESTS + [None] * 14
+            assert al2.choose(drafts, 16, 16) == [0] * 16 and al2.explored
             for _ in range(DraftAllocator.EXPLORE_REQUESTS):
-                al2.observe(two.truncated(DraftAllocator.EXPLORE_NODES), 0)
+                al2.observe_watched(two, 0, al2.explored)
     assert explored == [7, 7 + 16, 7 + 16 + 32, 7 + 16 + 32 + 64, 7 + 16 + 32 + 64 + 64]
+    assert al2.kept == 0 and al2.watched == 2 * len(explored)
     cheap = DraftAllocator(StepCosts({1: 0.010, 64: 0.011}))   # memory-bound: verification is free
     assert all(cheap.worth_drafting(16, 16) for _ in range(16))
     assert cheap.explore_requests is None                      # drafting that pays drafts for all
 
 
-def test_a_drafter_whose_first_drafts_were_rejected_is_drafting_again_once_its_explorations_are_accepted():
+def test_a_drafter_whose_first_drafts_were_rejected_is_drafting_again_once_its_explorations_agree():
     # verification costs: 2 rows 1.5x one, 3 rows 2x (a compute-bound CPU core): a first node pays
     # only above ~0.5 acceptance. Two unlucky first drafts (a warm-up on a meaningless prompt) put
-    # the calibrated rate below that, so no step drafts; explorations must still verify something
+    # the calibrated rate below that, so no step drafts; the explorations' watched drafts, which
+    # the target's tokens go on to agree with, must bring it back
     al = DraftAllocator(StepCosts({1: 0.006, 2: 0.009, 4: 0.015, 8: 0.027}))
     low = Draft.chain([5, 6], "suffix", [0.25, 0.1])
     al.choose([low], 1, 1)
     al.observe(low, 0)
     al.observe(low, 0)
     chain = Draft.chain([1, 2, 3, 4], "suffix", [0.3, 0.15, 0.1, 0.05])   # under-confident estimates
-    kept = {}
+    kept, watched = {}, []
     for step in range(200):
         if not al.worth_drafting(1, 1):
             continue
@@ -198,10 +201,28 @@ def test_a_drafter_whose_first_drafts_were_rejected_is_drafting_again_once_its_e
         if k:
             kept[step] = k
             al.observe(chain.truncated(k), k)          # the text is repetitive: every node accepted
-    assert min(kept) == DraftAllocator.EXPLORE_EVERY - 1
-    # accepted explorations keep the interval short until the calibration pays by itself; within
-    # 50 steps every step drafts the whole chain
+        else:
+            watched.append(step)
+            al.observe_watched(chain, 4, al.explored)
+    assert watched[0] == DraftAllocator.EXPLORE_EVERY - 1
+    # agreeing explorations keep the interval short until the calibration pays by itself, without
+    # verifying a node; within 50 steps every step drafts the whole chain
+    assert not [s for s in kept if s < watched[-1]]
     assert all(kept.get(step) == 4 for step in range(50, 200))
+
+
+def test_a_watched_draft_is_decided_by_the_tokens_the_target_emits():
+    from draftwise.spec_decode.allocation import watched_outcome
+    d = Draft.chain([4, 5, 6, 7], "suffix", [0.9, 0.8, 0.7, 0.6])
+    assert watched_outcome(d, [], False) is None
+    assert watched_outcome(d, [4, 5], False) is None                 # agreeing so far: undecided
+    assert watched_outcome(d, [4, 9], False) == (d, 1)               # node 1 would be rejected
+    assert watched_outcome(d, [9], False) == (d, 0)
+    assert watched_outcome(d, [4, 5, 6, 7], False) == (d, 4)         # every node accepted
+    # a request that ended after two agreeing tokens decides those two nodes only
+    cut, n = watched_outcome(d, [4, 5], True)
+    assert cut.token_ids == [4, 5] and n == 2
+    assert watched_outcome(d, [], True) is None
 
 
 def test_a_request_limited_drafting_step_takes_the_requests_in_turn():
