@@ -398,6 +398,8 @@ class DraftAllocator:
         base = sampled / self.costs(fixed_tokens)
         expected, with_one = float(sampled), 0.0
         for n, p in enumerate(self.calibration.mean_chain(self.longest_draft), start=1):
+            if p < 0.01:                  # deeper nodes add under 1 % of a token each: stop pricing
+                break
             expected += requests * p
             with_one = max(with_one, expected / (self.costs(fixed_tokens + requests * n)
                                                  + requests * self.draft_seconds_per_request))
