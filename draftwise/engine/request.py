@@ -49,6 +49,9 @@ class Request:
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed)
         self.num_preemptions = 0
+        # decayed share of this request's decided drafts whose first node the target agreed with
+        # (verified or watched): the draft allocation's calibration conditions on it
+        self.draft_agreement = 0.5
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 from draftwise.config import EngineConfig
 from draftwise.engine.kv_cache import BlockAllocator, block_hashes
 from draftwise.engine.request import Request, RequestStatus
-from draftwise.spec_decode.allocation import DraftAllocator, watched_outcome
+from draftwise.spec_decode.allocation import DraftAllocator, agreement_level, updated_agreement, watched_outcome
 from draftwise.spec_decode.draft import Draft
 from draftwise.step import ScheduledRequest, SchedulerOutput
 
@@ -192,6 +192,9 @@ class Scheduler:
         fixed, sampled, decode = self.next_step_shape(budget)
         # a seeded sampled request verifies its whole draft: how many drafts it verifies decides
         # which random numbers it draws, and its seed must give the same tokens on every run
+        for r in running:
+            if r.draft is not None:
+                r.draft.level = agreement_level(r.draft_agreement)
         pinned = [r.draft is not None and keeps_whole_drafts(r) for r in running]
         whole = [r.draft for r, pin in zip(running, pinned) if pin]
         drafts = [None if pin else r.draft for r, pin in zip(running, pinned)]
@@ -212,6 +215,7 @@ class Scheduler:
             del self._watched[req.request_id]
         if verdict is not None:
             self.draft_allocator.observe_watched(*verdict, exploration)
+            req.draft_agreement = updated_agreement(req.draft_agreement, verdict[1] > 0)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -297,6 +301,7 @@ class Scheduler:
                 req.metrics.observe(s.num_draft_tokens, acc)
                 if self.draft_allocator is not None:
                     self.draft_allocator.observe(s.draft, num_verified)
+                    req.draft_agreement = updated_agreement(req.draft_agreement, num_verified > 0)
             new_lps = None
             if lps is not None:
                 new_lps = lps[:len(appended)]

@@ -25,6 +25,9 @@ class Draft:
     probs: list[float] | None = None
     # the verification tree (spec_decode/tree.py TreeDraft), when the drafter already built it
     plan: object | None = field(default=None, repr=False, compare=False)
+    # how often the request's recent drafts were right (allocation.agreement_level: 0 seldom,
+    # 1 middling, 2 mostly), set by the scheduler; the draft allocation's calibration conditions on it
+    level: int = field(default=1, compare=False)
 
     def __post_init__(self):
         if len(self.parents) != len(self.token_ids):
@@ -33,9 +36,9 @@ class Draft:
             raise ValueError(f"draft parents {self.parents} do not come before their children")
 
     @classmethod
-    def chain(cls, token_ids, source: str, probs: list[float] | None = None) -> "Draft":
+    def chain(cls, token_ids, source: str, probs: list[float] | None = None, level: int = 1) -> "Draft":
         toks = [int(t) for t in token_ids]
-        return cls(toks, list(range(-1, len(toks) - 1)), source, probs)
+        return cls(toks, list(range(-1, len(toks) - 1)), source, probs, level=level)
 
     @classmethod
     def from_tree(cls, tree, source: str) -> "Draft":
@@ -64,7 +67,7 @@ class Draft:
         if n >= len(self):
             return self
         probs = self.probs[:n] if self.probs is not None else None
-        return Draft(self.token_ids[:n], self.parents[:n], self.source, probs)
+        return Draft(self.token_ids[:n], self.parents[:n], self.source, probs, level=self.level)
 
     def verification_tree(self, root_token: int):
         """The TreeDraft verification reads (ancestor mask, depths, paths), rooted at `root_token`."""

@@ -55,7 +55,8 @@ def _weight(name, N=32, blocks_per_row=None, seed=0):
 @pytest.mark.parametrize("name", sorted(FORMATS))
 def test_affine_kernel_equals_its_reference(isa_kernels, name):
     ga = _weight(name)
-    x = (torch.randn(5, ga.codes.shape[1]) * 3).to(torch.bfloat16)
+    # 13 rows: a full register tile and a part one
+    x = (torch.randn(13, ga.codes.shape[1]) * 3).to(torch.bfloat16)
     lin = GroupAffineLinear([ga])
     assert lin.draftwise_kernel
     y = lin(x.float())
@@ -66,7 +67,7 @@ def test_affine_kernel_equals_its_reference(isa_kernels, name):
     # the kernel's only rounding past its int8 activations is fp32 accumulation: within 1e-3 of an
     # fp64 product of the activations as it quantized them and the dequantized weight
     q, d = quantize_activations(x.float())
-    xq = (q.reshape(5, -1, 32) * d[..., None]).reshape(5, -1)
+    xq = (q.reshape(13, -1, 32) * d[..., None]).reshape(13, -1)
     exact_q = xq.double() @ ga.dequantize().double().t()
     assert ((y.double() - exact_q).abs().max() / exact_q.abs().max()).item() < 1e-3
 

@@ -334,3 +334,30 @@ def test_drafting_is_priced_per_request_it_drafts_for():
         al.observe_drafting(0.002, 2)               # an exploring step: two requests, 1 ms each
     assert al.worth_drafting(2, 2)
     assert not al.worth_drafting(32, 32)
+
+
+def test_a_request_whose_recent_drafts_were_right_gets_its_next_nodes_rated_higher():
+    """The same drafter estimate from a request whose drafts keep being right and from one whose
+    drafts keep being wrong: the calibration tells them apart by the request's agreement level,
+    and a group observed at one level only is not moved by the level (no trial counted twice)."""
+    from draftwise.spec_decode.allocation import agreement_level, updated_agreement
+    cal = AcceptanceCalibration(decay=1.0)
+    for i in range(200):
+        right = Draft.chain([1], "suffix", [0.9], level=2)
+        wrong = Draft.chain([1], "suffix", [0.9], level=0)
+        cal.observe(right, 1 if i % 10 else 0)       # 90 % right
+        cal.observe(wrong, 1 if i % 10 == 0 else 0)  # 10 % right
+    high, = cal.estimates(Draft.chain([1], "suffix", [0.9], level=2))
+    low, = cal.estimates(Draft.chain([1], "suffix", [0.9], level=0))
+    middling, = cal.estimates(Draft.chain([1], "suffix", [0.9], level=1))
+    assert high == pytest.approx(0.9, abs=0.03) and low == pytest.approx(0.1, abs=0.03)
+    assert middling == pytest.approx(0.5, abs=0.03)           # no trials: the bin's rate
+    one = AcceptanceCalibration(decay=1.0)
+    for i in range(200):
+        one.observe(Draft.chain([1], "suffix", [0.9], level=2), 1 if i % 2 else 0)
+    assert one.rate("suffix", 0, 0.9, 2) == pytest.approx(one.rate("suffix", 0, 0.9))
+    # a request's level follows its drafts' first nodes
+    a = 0.5
+    for _ in range(5):
+        a = updated_agreement(a, True)
+    assert agreement_level(a) == 2 and agreement_level(updated_agreement(0.5, False)) == 0
