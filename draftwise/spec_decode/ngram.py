@@ -25,6 +25,7 @@ def ngram_propose(tokens: np.ndarray, n_min: int, n_max: int, k: int) -> list[in
 
 class NgramProposer(Proposer):
     method = "ngram"
+    reads_target_rows = False
 
     def __init__(self, num_speculative_tokens: int, n_min: int, n_max: int):
         self.k, self.n_min, self.n_max = num_speculative_tokens, n_min, n_max

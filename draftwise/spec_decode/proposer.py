@@ -21,12 +21,13 @@ class NextStep:
 @dataclass
 class ProposerInput:
     """What the target step leaves for the drafter. Rows are the *valid* rows of the step (the
-    tokens fed, minus rejected drafts), grouped per request in batch order."""
-    token_ids: torch.Tensor               # [Tv] tokens fed at those rows
-    positions: torch.Tensor               # [Tv] their positions
+    tokens fed, minus rejected drafts), grouped per request in batch order; a drafter that does not
+    read them (`Proposer.reads_target_rows` False) gets None and an empty `query_lens`."""
+    token_ids: torch.Tensor | None        # [Tv] tokens fed at those rows
+    positions: torch.Tensor | None        # [Tv] their positions
     aux_hidden_states: torch.Tensor | None  # [Tv, k*H] target auxiliary states at those rows
     query_lens: list[int]                 # valid rows per request
-    next_token_ids: torch.Tensor          # [R] token at position last+1 (sampled, or next prompt token)
+    next_token_ids: torch.Tensor | None   # [R] token at position last+1 (sampled, or next prompt token)
     seq_lens: list[int]                   # last valid position + 1, per request
     block_tables: torch.Tensor            # [R, W]
     want_draft: list[bool]                # requests to draft for (others only update drafter state)
@@ -40,6 +41,7 @@ class Proposer:
     newest token the drafter writes (the scheduler reserves them)."""
     method = "base"
     needs_aux_hidden_states = False
+    reads_target_rows = True              # False: drafts from the requests' token histories alone
     num_lookahead_tokens = 0
 
     def kv_layer_specs(self) -> list[tuple[int, int]]:

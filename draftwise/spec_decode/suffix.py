@@ -305,6 +305,7 @@ class SuffixCache:
 class SuffixProposer(Proposer):
     """`method: "suffix"`: variable-length chain drafts (or trees with `draft_tree`)."""
     method = "suffix"
+    reads_target_rows = False
 
     def __init__(self, num_speculative_tokens: int, max_tree_depth: int = 24, max_cached_requests: int = 10000,
                  max_spec_factor: float = 1.0, min_token_prob: float = 0.1, tree: bool = False, datastore=None):

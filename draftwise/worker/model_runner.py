@@ -343,43 +343,53 @@ class ModelRunner:
             return [None] * len(step.sched.scheduled)
         t0 = time.perf_counter()
         scheds = step.sched.scheduled
+        reads_rows = self.proposer.reads_target_rows
         rows, qlens, seq_lens, next_ids, want = [], [], [], [], []
         for i, s in enumerate(scheds):
             req = s.request
-            start = step.query_start[i]
-            if step.accepted_rows and s.tree is not None:
-                r_rows = [start + j for j in range(s.num_prefix_tokens - 1)] + [start + j for j in step.accepted_rows[i]]
+            tree_rows = step.accepted_rows[i] if step.accepted_rows and s.tree is not None else None
+            if tree_rows is not None:
+                n_valid = s.num_prefix_tokens - 1 + len(tree_rows)
             else:
                 n_valid = s.num_prefix_tokens + step.num_accepted[i]
-                r_rows = list(range(start, start + n_valid))
-            rows.extend(r_rows)
-            qlens.append(len(r_rows))
-            last_pos = s.start_pos + len(r_rows) - 1
+            last_pos = s.start_pos + n_valid - 1
             seq_lens.append(last_pos + 1)
+            want.append(bool(num_spec_tokens > 0 and s.completes_prompt and not req.is_finished
+                             and req.params.speculate and self._drafts_allowed(req.params)
+                             and last_pos + 1 + num_spec_tokens < self.config.max_model_len))
+            if not reads_rows:
+                continue
+            start = step.query_start[i]
+            if tree_rows is not None:
+                rows.extend([start + j for j in range(s.num_prefix_tokens - 1)] + [start + j for j in tree_rows])
+            else:
+                rows.extend(range(start, start + n_valid))
+            qlens.append(n_valid)
             if s.completes_prompt and step.new_token_ids[i]:
                 next_ids.append(step.new_token_ids[i][-1])
             else:
                 next_ids.append(req.all_token_ids[last_pos + 1] if last_pos + 1 < req.num_tokens else 0)
-            sampled_pos = last_pos + 1
-            want.append(bool(num_spec_tokens > 0 and s.completes_prompt and not req.is_finished
-                             and req.params.speculate and self._drafts_allowed(req.params)
-                             and sampled_pos + num_spec_tokens < self.config.max_model_len))
         if max_requests is not None and sum(want) > max_requests:
             want = _some_of(want, max_requests, self._explore_turn)
             self._explore_turn += 1
         if not any(want) and not self.proposer.needs_aux_hidden_states:
             return [None] * len(scheds)
-        row_t = torch.tensor(rows, dtype=torch.long, device=self.device)
-        if step.accepted_rows:
-            positions = torch.cat([torch.arange(s.start_pos, s.start_pos + q) for s, q in zip(scheds, qlens)]).to(self.device)
+        if not reads_rows:                   # a drafter of token histories (suffix, n-gram)
+            inp = ProposerInput(None, None, None, [], None, seq_lens, step.block_tables, want,
+                                [s.request for s in scheds], step.new_token_ids, next_step)
         else:
-            positions = step.positions[row_t]
-        inp = ProposerInput(
-            token_ids=step.input_ids[row_t], positions=positions,
-            aux_hidden_states=step.aux_hidden_states[row_t] if step.aux_hidden_states is not None else None,
-            query_lens=qlens, next_token_ids=torch.tensor(next_ids, dtype=torch.long, device=self.device),
-            seq_lens=seq_lens, block_tables=step.block_tables, want_draft=want,
-            requests=[s.request for s in scheds], new_tokens=step.new_token_ids, next_step=next_step)
+            row_t = torch.tensor(rows, dtype=torch.long, device=self.device)
+            if step.accepted_rows:
+                positions = torch.cat([torch.arange(s.start_pos, s.start_pos + q)
+                                       for s, q in zip(scheds, qlens)]).to(self.device)
+            else:
+                positions = step.positions[row_t]
+            inp = ProposerInput(
+                token_ids=step.input_ids[row_t], positions=positions,
+                aux_hidden_states=step.aux_hidden_states[row_t] if step.aux_hidden_states is not None else None,
+                query_lens=qlens, next_token_ids=torch.tensor(next_ids, dtype=torch.long, device=self.device),
+                seq_lens=seq_lens, block_tables=step.block_tables, want_draft=want,
+                requests=[s.request for s in scheds], new_tokens=step.new_token_ids, next_step=next_step)
         drafts = self.proposer.propose(inp, self.kv_cache, self.block_size, num_spec_tokens)
         # variable-length drafters may propose past the position limit: keep what fits (a tree's
         # first nodes are a valid tree)
