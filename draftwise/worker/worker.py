@@ -231,9 +231,9 @@ class Worker:
         """Target step seconds by token count for the draft allocation and the adaptive policy:
         token counts up to 64 measured (a few seconds at start-up, once per model and machine);
         past that the cost is about linear in the tokens and is extrapolated. Besides the powers
-        of two, one token past each from 4 on: the linears run rows in register tiles (8 rows on
-        AVX-512, 4 on AVX2), so a 9th row costs a pass over the weights of its own - 20 % of an
-        8-row step on Zen 4, where interpolating between 8 and 16 said 9 %."""
+        of two, one token past each from 4 on: the step's cost is not linear between them (the
+        linears run rows in register tiles of 8 on AVX-512 and 4 on AVX2) - a 9th row cost 20 %
+        of an 8-row step on Zen 4, where interpolating between 8 and 16 said 9 %."""
         c = self.config
         k = c.speculative_config.num_speculative_tokens
         limit = max(2, min(c.max_num_batched_tokens, c.max_num_seqs * (1 + k), 64))
