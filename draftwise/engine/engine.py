@@ -176,7 +176,8 @@ class LLMEngine:
             fwd = self.worker.timer.totals.get("target_forward", 0.0) - fwd0
             drafting = self.worker.timer.totals.get("drafting", 0.0) - draft0
             allocator.costs.observe_step(sum(len(s.token_ids) for s in sched.scheduled), fwd,
-                                         time.perf_counter() - t0 - fwd - drafting)
+                                         time.perf_counter() - t0 - fwd - drafting,
+                                         sum(len(t) for t in step.new_token_ids))
         return outputs
 
     def _nothing_scheduled(self) -> list[RequestOutput]:

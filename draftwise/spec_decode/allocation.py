@@ -97,8 +97,14 @@ class StepCosts:
     allocation from drafting for as long as the cache held it, and a batch whose steps alternate
     between long phases of 4 and of 8 tokens must price each size by its own steps. A size priced
     too cheap is tried and corrected by its own steps; one priced too dear is tried only by the
-    allocation's explorations, and those now correct it too. `overhead` is the decayed mean of a
-    step's other seconds."""
+    allocation's explorations, and those now correct it too.
+
+    `overhead` is the part of a step's other seconds that does not grow with the tokens it emits:
+    the intercept of a decayed least-squares line through (tokens emitted, other seconds). A
+    server's steps spend time per emitted token (detokenizing, streaming, the GIL shared with the
+    HTTP side); priced as a fixed overhead, that time would look amortized by accepted drafts, and
+    drafts would look cheaper than they are. A per-token cost adds the same to every allocation's
+    seconds per token and changes no choice, so only the fixed part is priced."""
 
     def __init__(self, points: dict[int, float] | None = None, decay: float = 0.97, point_decay: float = 0.95,
                  prior: float = 2.0, forget: float = 0.999):
@@ -107,6 +113,7 @@ class StepCosts:
         self.decay, self.point_decay, self.prior, self.forget = decay, point_decay, prior, forget
         self.scale, self.overhead = 1.0, 0.0
         self._sums = [0.0, 0.0, 0.0, 0.0]   # decayed: steps, table seconds, forward seconds, other seconds
+        self._emitted = [0.0, 0.0, 0.0]     # decayed: tokens emitted, their squares, times other seconds
         self._near = [[0.0, 0.0] for _ in self.measured]   # per point, decayed: served seconds, table seconds
 
     @property
@@ -124,17 +131,22 @@ class StepCosts:
     def __call__(self, tokens: int) -> float:
         return self.forward(tokens) + self.overhead
 
-    def observe_step(self, tokens: int, forward_seconds: float, other_seconds: float) -> None:
-        """A served step of `tokens` tokens: its forward took `forward_seconds`, everything else
-        around it but drafting (scheduling, inputs, sampling, outputs) `other_seconds`."""
+    def observe_step(self, tokens: int, forward_seconds: float, other_seconds: float,
+                     emitted: int | None = None) -> None:
+        """A served step of `tokens` tokens that emitted `emitted` (None: unknown): its forward took
+        `forward_seconds`, everything else around it but drafting (scheduling, inputs, sampling,
+        outputs) `other_seconds`."""
         if not self.points or tokens <= 0 or forward_seconds <= 0:
             return
         table = _interpolate(self.measured, tokens)
-        s = self._sums
-        for i, v in enumerate((1.0, table, forward_seconds, max(0.0, other_seconds))):
+        s, e, other = self._sums, self._emitted, max(0.0, other_seconds)
+        x = float(tokens if emitted is None else emitted)
+        for i, v in enumerate((1.0, table, forward_seconds, other)):
             s[i] = s[i] * self.decay + v
+        for i, v in enumerate((x, x * x, x * other)):
+            e[i] = e[i] * self.decay + v
         self.scale = min(8.0, max(0.125, s[2] / s[1]))
-        self.overhead = s[3] / s[0]
+        self.overhead = _intercept(s[0], e[0], e[1], s[3], e[2])
         for near in self._near:
             near[0] *= self.forget
             near[1] *= self.forget
@@ -143,6 +155,17 @@ class StepCosts:
             near[0] = near[0] * self.point_decay + w * forward_seconds
             near[1] = near[1] * self.point_decay + w * table
         self.points = monotone([(t, c * r) for (t, c), r in zip(self.measured, self.ratios)])
+
+
+def _intercept(n: float, sx: float, sxx: float, sy: float, sxy: float) -> float:
+    """The intercept of the least-squares line through points with these (decayed) sums, kept
+    within [0, mean y]; the mean y where x hardly varies."""
+    mean_y = sy / n
+    var = n * sxx - sx * sx
+    if var <= 1e-9 * max(1.0, n * sxx):
+        return mean_y
+    slope = max(0.0, (n * sxy - sx * sy) / var)
+    return min(mean_y, max(0.0, mean_y - slope * sx / n))
 
 
 def _interpolate(pts: list[tuple[int, float]], tokens: int) -> float:

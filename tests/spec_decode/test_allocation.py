@@ -56,6 +56,20 @@ def test_step_costs_interpolate_and_follow_the_served_steps():
     assert not StepCosts() and StepCosts()(5) == 0.0
 
 
+def test_step_overhead_that_grows_with_emitted_tokens_is_not_priced_as_fixed():
+    """A server step's other seconds: 1 ms fixed plus 0.5 ms per emitted token (streaming). Only
+    the fixed millisecond is the overhead drafts amortize."""
+    c = StepCosts({1: 0.010, 8: 0.017, 16: 0.030})
+    for i in range(300):
+        emitted = 8 + i % 7                          # accepted drafts: 8 to 14 tokens a step
+        c.observe_step(8 + i % 7, 0.02, 0.001 + 0.0005 * emitted, emitted)
+    assert c.overhead == pytest.approx(0.001, rel=1e-3)
+    flat = StepCosts({1: 0.010, 8: 0.017, 16: 0.030})
+    for _ in range(300):                             # every step emits the same: the mean
+        flat.observe_step(8, 0.02, 0.003, 8)
+    assert flat.overhead == pytest.approx(0.003, rel=1e-3)
+
+
 def test_a_size_that_measured_dearer_than_a_larger_one_is_capped():
     # measured on a busy machine: 2 tokens met a slow spell and cost more than 4
     c = StepCosts({1: 0.0051, 2: 0.0085, 4: 0.0065, 8: 0.0096})
