@@ -92,7 +92,8 @@ def test_models_health_metrics(server, client):
                  "draftwise_time_per_output_token_seconds_bucket", "draftwise_num_requests_running",
                  "draftwise_num_requests_waiting", "draftwise_kv_blocks_used",
                  "draftwise_spec_decode_num_drafts_total", "draftwise_spec_decode_num_draft_tokens_total",
-                 "draftwise_spec_decode_num_accepted_tokens_total"):
+                 "draftwise_spec_decode_num_accepted_tokens_total", "draftwise_draft_allocation_steps_total",
+                 "draftwise_draft_allocation_draft_tokens_kept_total"):
         assert name in r.text, name
     assert httpx.get(server.url + "/nope").status_code == 404
 
@@ -459,6 +460,12 @@ def test_metrics_spec_decode_per_position(server):
     if m["draftwise_spec_decode_num_drafts_total"] > 0:
         assert per_pos and all(re.search(r'position="\d+"', k) for k in per_pos)
         assert sum(per_pos.values()) == m["draftwise_spec_decode_num_accepted_tokens_total"]
+        # the allocation kept what was verified, and chose for every step that verified a draft
+        alloc = {k[len("draftwise_draft_allocation_"):-len("_total")]: v for k, v in m.items()
+                 if k.startswith("draftwise_draft_allocation_") and k.endswith("_total")}
+        assert alloc["steps"] > 0 and alloc["steps_without_drafting"] <= alloc["steps"]
+        assert alloc["draft_tokens_kept"] <= alloc["draft_tokens_offered"]
+        assert alloc["draft_tokens_kept"] >= m["draftwise_spec_decode_num_draft_tokens_total"]
 
 
 def test_engine_failure_is_500_and_server_recovers(local_server):
@@ -528,3 +535,26 @@ def test_prefix_cache_hits_in_metrics(server, client):
         client.completions.create(model=NAME, prompt=long, max_tokens=2, temperature=0)
     m = scrape(server)
     assert m["draftwise_prefix_cache_hits_total"] > 0 and 0 < m["draftwise_prefix_cache_hit_rate"] <= 1
+
+
+def test_server_metrics_follow_cumulative_engine_counts():
+    """The engine reports cumulative counts; /metrics counters advance by the difference, and the
+    allocation's cost-model gauges show its latest state."""
+    from draftwise.entrypoints.openai.serving import ServerMetrics
+    metrics = ServerMetrics()
+    report = {"spec_decode": {"num_drafts": 3, "num_draft_tokens": 9, "num_accepted_tokens": 5},
+              "draft_allocation": {"steps": 10, "steps_without_drafting": 4, "draft_tokens_offered": 20,
+                                   "draft_tokens_kept": 9, "drafts_watched": 2, "step_cost_scale": 1.5,
+                                   "step_overhead_ms": 2.0}}
+    metrics.observe_engine(report)
+    report["draft_allocation"] = dict(report["draft_allocation"], steps=15, draft_tokens_kept=12,
+                                      step_cost_scale=1.25)
+    metrics.observe_engine(report)
+    text = metrics.render()[0].decode()
+    values = dict(line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#"))
+    assert float(values["draftwise_draft_allocation_steps_total"]) == 15
+    assert float(values["draftwise_draft_allocation_draft_tokens_kept_total"]) == 12
+    assert float(values["draftwise_draft_allocation_steps_without_drafting_total"]) == 4
+    assert float(values["draftwise_draft_allocation_step_cost_scale"]) == 1.25
+    assert float(values["draftwise_draft_allocation_step_overhead_seconds"]) == 0.002
+    assert float(values["draftwise_spec_decode_num_draft_tokens_total"]) == 9

@@ -26,6 +26,16 @@ logger = logging.getLogger("draftwise.serve")
 COMPLETION_DEFAULT_MAX_TOKENS = 16        # OpenAI's default for /v1/completions
 
 
+# the draft allocation's cumulative counts exported on /metrics (`DraftAllocator.table()` keys)
+ALLOCATION_COUNTERS = {
+    "steps": "Steps the draft allocation chose for",
+    "steps_without_drafting": "Steps whose drafting was skipped",
+    "draft_tokens_offered": "Draft tokens the drafters proposed",
+    "draft_tokens_kept": "Draft tokens the allocation kept to verify",
+    "drafts_watched": "Drafts cut whole and compared with the tokens emitted next",
+}
+
+
 class ServerMetrics:
     def __init__(self):
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -61,8 +71,15 @@ class ServerMetrics:
                                    registry=r)
         self.prefix_hit_rate = Gauge("draftwise_prefix_cache_hit_rate", "Prefix-cache hits / queries (tokens, "
                                      "since start)", registry=r)
-        self._last_spec = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0}
-        self._last_prefix = {"queries": 0, "hits": 0}
+        # the draft allocation's choices (absent without speculation): the counters of its table
+        # and the cost model's state, so an operator sees whether the server drafts under load
+        self.allocation = {key: Counter(f"draftwise_draft_allocation_{key}", doc, registry=r)
+                           for key, doc in ALLOCATION_COUNTERS.items()}
+        self.step_cost_scale = Gauge("draftwise_draft_allocation_step_cost_scale", "Served step seconds over "
+                                     "the start-up table's (decayed)", registry=r)
+        self.step_overhead = Gauge("draftwise_draft_allocation_step_overhead_seconds", "A step's fixed seconds "
+                                   "around its forward, as the allocation prices them", registry=r)
+        self._last: dict[str, int] = {}
         self._last_pos: list[int] = []
 
     def observe_engine(self, m: dict) -> None:
@@ -73,18 +90,18 @@ class ServerMetrics:
         self.kv_total.set(m.get("kv_blocks_total", 0))
         pc = m.get("prefix_cache") or {}
         for key, counter in (("queries", self.prefix_queries), ("hits", self.prefix_hits)):
-            v = int(pc.get(key, 0))
-            if v > self._last_prefix[key]:
-                counter.inc(v - self._last_prefix[key])
-            self._last_prefix[key] = v
+            self._advance(counter, "prefix_" + key, pc.get(key, 0))
         self.prefix_hit_rate.set(pc.get("hit_rate", 0.0))
         spec = m.get("spec_decode") or {}
         for key, counter in (("num_drafts", self.drafts), ("num_draft_tokens", self.draft_tokens),
                              ("num_accepted_tokens", self.accepted_tokens)):
-            v = int(spec.get(key, 0))
-            if v > self._last_spec[key]:
-                counter.inc(v - self._last_spec[key])
-            self._last_spec[key] = v
+            self._advance(counter, key, spec.get(key, 0))
+        alloc = m.get("draft_allocation") or {}
+        for key, counter in self.allocation.items():
+            self._advance(counter, "allocation_" + key, alloc.get(key, 0))
+        if alloc:
+            self.step_cost_scale.set(alloc.get("step_cost_scale", 1.0))
+            self.step_overhead.set(alloc.get("step_overhead_ms", 0.0) / 1000)
         pos = list(spec.get("accepted_per_position") or [])
         for i, v in enumerate(pos):
             last = self._last_pos[i] if i < len(self._last_pos) else 0
@@ -92,6 +109,13 @@ class ServerMetrics:
             if v > last:
                 child.inc(v - last)
         self._last_pos = pos
+
+    def _advance(self, counter, key: str, value) -> None:
+        """Move `counter` on to the engine's cumulative `value` (engines count from their start)."""
+        v = int(value)
+        if v > self._last.get(key, 0):
+            counter.inc(v - self._last.get(key, 0))
+        self._last[key] = v
 
     def observe_finished(self, sub: "Submission", out, now: float) -> None:
         """A request finished: its outcome, tokens, and latencies since its arrival."""

@@ -13,7 +13,7 @@ import asyncio
 import logging
 import time
 
-from draftwise.entrypoints.openai.serving import APIError, ServerMetrics, Submission
+from draftwise.entrypoints.openai.serving import ALLOCATION_COUNTERS, APIError, ServerMetrics, Submission
 
 logger = logging.getLogger("draftwise.serve")
 
@@ -182,6 +182,10 @@ def sum_engine_metrics(reports: list[dict]) -> dict:
                     acc[i] += x
             elif isinstance(v, (int, float)) and k.startswith("num_"):
                 spec[k] = spec.get(k, 0) + v
+        alloc = m.get("draft_allocation") or {}
+        for k in ALLOCATION_COUNTERS:
+            if k in alloc:
+                out.setdefault("draft_allocation", {})[k] = out.get("draft_allocation", {}).get(k, 0) + alloc[k]
     pc = out["prefix_cache"]
     pc["hit_rate"] = pc["hits"] / pc["queries"] if pc["queries"] else 0.0
     return out
