@@ -89,8 +89,9 @@ class StepCosts:
     (a step's weight shared between the two points around its size, as the interpolation shares
     it; decayed, so the last few dozen steps there count), pulled towards `scale` - the ratio over
     every served step - with the weight of `prior` steps; `forward(T)` interpolates the corrected
-    points. A size the steps have not reached is priced at the table's cost times that common
-    ratio, and a point not served for a while drifts back to it (`forget` per step).
+    points. A size the steps have not reached is priced at the table's cost times the ratio of the
+    nearest size they have, and a point not served for a while drifts back to that (`forget` per
+    step).
 
     Per point, because the allocation lives on the *shape* of the costs: a table measured during
     a busy spell (two tokens priced at twice one, where served steps show them level) kept the
@@ -118,9 +119,25 @@ class StepCosts:
 
     @property
     def ratios(self) -> list[float]:
-        """Each point's served / table seconds (the common `scale` where no step came near)."""
-        return [(served + self.prior * c * self.scale) / (table + self.prior * c)
-                for (_, c), (served, table) in zip(self.measured, self._near)]
+        """Each point's served / table seconds. A point the steps come near leans on the common
+        `scale`; one they have hardly reached (under a step's worth of weight: the sizes past the
+        batch that only long drafts would make) on the nearest point they have reached, whose
+        contexts and batch it would share - priced at the common ratio instead, the size one past
+        a batch of 32 at long contexts looked cheaper than the batch itself, the monotone cap
+        lowered the batch's cost to it, and every draft token past the batch looked nearly free."""
+        own = [(served + self.prior * c * self.scale) / (table + self.prior * c)
+               for (_, c), (served, table) in zip(self.measured, self._near)]
+        reached = [k for k, ((_, c), (_, table)) in enumerate(zip(self.measured, self._near)) if table >= c]
+        if not reached:
+            return own
+        out = []
+        for k, ((_, c), (served, table)) in enumerate(zip(self.measured, self._near)):
+            if table >= c:
+                out.append(own[k])
+                continue
+            nearest = own[min(reached, key=lambda j: (abs(j - k), j))]
+            out.append((served + self.prior * c * nearest) / (table + self.prior * c))
+        return out
 
     def __bool__(self) -> bool:
         return bool(self.points)

@@ -93,8 +93,11 @@ def test_served_steps_correct_a_table_measured_during_a_busy_spell():
     assert c(3) == pytest.approx(1.2 * quiet[3], rel=0.15)     # few steps there: the prior still pulls
     assert c(2) / c(1) < 1.15
     assert allocate([[0.4]], 1, 1, c) == [1]
-    # a size the steps never reached: the table's cost at the served steps' common speed
-    assert c.forward(8) == pytest.approx(c.scale * busy[8], rel=0.05)
+    # a size the steps never reached: the table's cost at the ratio of the nearest size they did
+    # (nearer the quiet machine's cost than the served steps' common ratio would price it)
+    ratios = c.ratios
+    assert c.forward(8) == pytest.approx(ratios[2] * busy[8], rel=0.05)
+    assert abs(c.forward(8) - 1.2 * quiet[8]) < abs(c.scale * busy[8] - 1.2 * quiet[8])
 
 
 def test_each_size_is_priced_by_its_own_steps_across_phases():
@@ -105,8 +108,23 @@ def test_each_size_is_priced_by_its_own_steps_across_phases():
         c.observe_step(t, served[t], 0.0)
     assert c.forward(8) / c.forward(4) == pytest.approx(10.7 / 6.5, rel=0.05)
     assert c.forward(8) == pytest.approx(10.7e-3, rel=0.02)
-    # a size no step reached: the table's cost at the served steps' common speed
-    assert c.forward(16) / c.measured[-1][1] == pytest.approx(c.scale, rel=0.1)
+    # a size no step reached: the table's cost at the ratio of the nearest size served (8)
+    assert c.forward(16) / c.measured[-1][1] == pytest.approx(10.7 / 6.5, rel=0.05)
+
+
+def test_sizes_past_the_batch_are_priced_like_the_batch():
+    """A batch of 32 at long contexts is served at ~1.9x the start-up table (one request, short
+    context); sizes past it are reached only by the odd draft. Priced at the common ratio (pulled
+    down by the cheaper steps of the batch's start), 33 tokens looked cheaper than 32, the monotone
+    cap lowered 32 to it and the first draft tokens past the batch looked free."""
+    table = {1: 4e-3, 16: 12e-3, 32: 20e-3, 33: 21e-3, 64: 38e-3}
+    c = StepCosts(table)
+    for t in [16] * 100 + [32] * 12:                 # short contexts first: 16 rows at 1.2x the table
+        c.observe_step(t, (1.2 if t == 16 else 1.9) * table[t], 0.0)
+    assert c.scale < 1.7
+    assert c.forward(32) == pytest.approx(1.9 * table[32], rel=0.05)
+    assert c.forward(33) >= c.forward(32) + 0.5 * 1.9 * (table[33] - table[32])
+    assert c.forward(64) == pytest.approx(1.9 * table[64], rel=0.05)
 
 
 def test_calibration_learns_an_over_confident_drafter():
