@@ -107,6 +107,8 @@ class StepCosts:
     drafts would look cheaper than they are. A per-token cost adds the same to every allocation's
     seconds per token and changes no choice, so only the fixed part is priced."""
 
+    PRICED_PAST_TABLE = 2     # steps up to this many times the largest measured size teach the table
+
     def __init__(self, points: dict[int, float] | None = None, decay: float = 0.97, point_decay: float = 0.95,
                  prior: float = 2.0, forget: float = 0.999):
         self.measured = monotone(sorted((int(t), float(c)) for t, c in (points or {}).items() if c > 0))
@@ -158,12 +160,19 @@ class StepCosts:
         table = _interpolate(self.measured, tokens)
         s, e, other = self._sums, self._emitted, max(0.0, other_seconds)
         x = float(tokens if emitted is None else emitted)
-        for i, v in enumerate((1.0, table, forward_seconds, other)):
-            s[i] = s[i] * self.decay + v
+        for i in (0, 3):
+            s[i] = s[i] * self.decay + (1.0 if i == 0 else other)
         for i, v in enumerate((x, x * x, x * other)):
             e[i] = e[i] * self.decay + v
-        self.scale = min(8.0, max(0.125, s[2] / s[1]))
         self.overhead = _intercept(s[0], e[0], e[1], s[3], e[2])
+        if tokens > self.PRICED_PAST_TABLE * self.measured[-1][0]:
+            # a prompt chunk far past the table (a 2,048-token prefill) runs its linears as large
+            # matrix products, cheaper a token than the line extrapolated past the table: taught to
+            # the largest point, it priced the decode batch's drafts at nearly nothing
+            return
+        for i, v in ((1, table), (2, forward_seconds)):
+            s[i] = s[i] * self.decay + v
+        self.scale = min(8.0, max(0.125, s[2] / s[1]))
         for near in self._near:
             near[0] *= self.forget
             near[1] *= self.forget

@@ -127,6 +127,21 @@ def test_sizes_past_the_batch_are_priced_like_the_batch():
     assert c.forward(64) == pytest.approx(1.9 * table[64], rel=0.05)
 
 
+def test_prompt_chunks_far_past_the_table_do_not_price_the_drafts():
+    """A server's batch fills with a 2,048-token prompt chunk or two (large matrix products: 0.9x
+    the line extrapolated past the table) before it decodes 32 requests at 1.9x the table. Taught
+    to the largest point, the chunks priced 61 draft tokens past the batch at 3 ms of a 41 ms step."""
+    table = {1: 4e-3, 16: 12e-3, 32: 20e-3, 33: 21e-3, 64: 38e-3}
+    c = StepCosts(table)
+    c.observe_step(2048, 0.9 * c.forward(2048), 0.0)
+    c.observe_step(1635, 0.9 * c.forward(1635), 0.0)
+    for _ in range(10):
+        c.observe_step(32, 1.9 * table[32], 0.0)
+    marginal = (c.forward(93) - c.forward(32)) / 61
+    assert marginal == pytest.approx(1.9 * (table[64] - table[32]) / 32, rel=0.1)
+    assert c.scale == pytest.approx(1.9, rel=0.01)
+
+
 def test_calibration_learns_an_over_confident_drafter():
     cal = AcceptanceCalibration()
     d = Draft.chain([1, 2, 3], "suffix", [0.95, 0.9, 0.9])
