@@ -87,6 +87,10 @@ def add_bench_args(p) -> None:
                         "auto, the engine's default - the model's own format, Q4_1 for the packaged GGUF)")
     p.add_argument("--rounds", type=int, default=1,
                    help="repeat the runs (odd rounds in reverse method order); report medians over rounds")
+    p.add_argument("--interleave", action="store_true",
+                   help="--sweep: the engine methods serve the prompts at the same time, their steps alternating "
+                        "one by one, each timed by its own steps (peers run apart): a busy spell of a shared "
+                        "machine lands on every method alike")
     p.add_argument("--peer-python", default=None,
                    help="NAME=PATH[,NAME=PATH]: the Python of the environment that has a peer (llamacpp, openvino), "
                         "e.g. openvino=~/ov-env/bin/python (default: this interpreter)")
@@ -479,8 +483,17 @@ def run_sweep(args) -> dict:
         a = copy.copy(args)
         a.batch_size, a.max_turns = len(convs), 1
         for rnd in range(args.rounds):
+            order = methods if rnd % 2 == 0 else methods[::-1]
+            if getattr(args, "interleave", False):
+                engines = [(name, spec, q) for name, spec, q in order if spec not in PEERS]
+                for name, r in run_interleaved(engines, a, convs, b).items():
+                    samples.setdefault(name, {}).setdefault(b, []).append(r["tokens_per_s"])
+                    if r.get("draft_allocation"):
+                        allocation.setdefault(name, {})[b] = r["draft_allocation"]
+                    print(f"round {rnd} B={b} {name}: {r['tokens_per_s']:.1f} tok/s (interleaved)", flush=True)
+                order = [m for m in order if m[1] in PEERS]
             # odd rounds run the methods in reverse order, so neither always runs first
-            for name, spec, q in (methods if rnd % 2 == 0 else methods[::-1]):
+            for name, spec, q in order:
                 if spec in PEERS:
                     if b > 1 and not str(spec).startswith("openvino"):
                         continue                    # llama-cpp-python serves one request at a time
@@ -506,15 +519,56 @@ def run_sweep(args) -> dict:
     ratios = {m: {b: statistics.median(x / y for x, y in zip(v, samples["ar"][b]))
                   for b, v in row.items() if b in samples.get("ar", {})}
               for m, row in samples.items() if m != "ar"}
-    return {"batch_sizes": sizes, "num_prompts": len(convs), "rounds": args.rounds, "tokens_per_s": table,
+    return {"batch_sizes": sizes, "num_prompts": len(convs), "rounds": args.rounds,
+            "interleaved": bool(getattr(args, "interleave", False)), "tokens_per_s": table,
             "ratio_to_ar": ratios,
             "samples": samples, "draft_allocation": allocation, "errors": errors}
 
 
+def run_interleaved(methods, args, convs, max_num_seqs: int) -> dict[str, dict]:
+    """Every engine method serves the first turn of every conversation at once (max_num_seqs
+    requests at a time), one engine per method, their steps alternating: engine A's step, B's,
+    A's... Each method's tokens/s is its output tokens over the seconds its own steps took, so a
+    slow spell of the machine (seconds long on a shared VM, where runs done one after another
+    differed by 25 %) lands on every method alike instead of on whichever ran then. What a lone
+    engine would do between steps is nothing (offline generation is a loop over steps), so the
+    figures are each method's own; the engines share the memory bandwidth only in turn."""
+    engines = []
+    sp = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=getattr(args, "ignore_eos", False))
+    for name, spec, q in methods:
+        llm = build_engine_llm(spec, args, max_num_seqs, q)
+        hists = [[{"role": "user", "content": c[0]}] for c in convs]
+        llm._add_all([conversation_prompt(llm.tokenizer, h) for h in hists], [_constrained(sp, h) for h in hists])
+        engines.append((name, llm))
+    busy = {name: 0.0 for name, _ in engines}
+    tokens = {name: 0 for name, _ in engines}
+    active = list(engines)
+    while active:
+        for name, llm in list(active):
+            t0 = time.perf_counter()
+            outs = llm.engine.step()
+            busy[name] += time.perf_counter() - t0
+            tokens[name] += sum(len(o.outputs[0].token_ids) for o in outs if o.finished)
+            if not llm.engine.has_unfinished_requests():
+                active.remove((name, llm))
+    out = {}
+    for name, llm in engines:
+        out[name] = {"tokens_per_s": tokens[name] / busy[name] if busy[name] else 0.0, "output_tokens": tokens[name],
+                     "time_s": busy[name]}
+        if llm.engine.scheduler.draft_allocator is not None:
+            al = llm.engine.scheduler.draft_allocator.table()
+            out[name]["draft_allocation"] = {k: v for k, v in al.items() if k != "calibration"}
+    del engines, active, llm
+    gc.collect()
+    return out
+
+
 def sweep_markdown(sw: dict) -> str:
     sizes = sw["batch_sizes"]
+    how = (" Engine methods ran interleaved: their steps alternated, each timed by its own steps."
+           if sw.get("interleaved") else "")
     lines = ["Output tokens/s, median of rounds (in brackets: the median over rounds of the ratio to `ar` in "
-             "the same round).", "",
+             "the same round)." + how, "",
              "| method | " + " | ".join(f"B={b}" for b in sizes) + " |", "|---|" + "---|" * len(sizes)]
     for m, row in sw["tokens_per_s"].items():
         cells = []

@@ -42,6 +42,34 @@ def test_bench_runs_methods_side_by_side(tmp_path):
     assert rc == 0
     sw = json.load(open(os.path.join(out, "sweep.json")))
     assert set(sw["tokens_per_s"]) == {"ar", "ngram"} and sw["batch_sizes"] == [1, 2]
+    # interleaved: both engines serve the prompts at once, their steps alternating
+    rc = main(["bench", "--model", model, "--methods", "ar,ngram", "--dataset", str(q), "--max-tokens", "8",
+               "--max-model-len", "256", "--out", out, "--sweep", "2", "--interleave", "--rounds", "2"])
+    assert rc == 0
+    sw = json.load(open(os.path.join(out, "sweep.json")))
+    assert sw["interleaved"] and all(len(sw["samples"][m]["2"]) == 2 for m in ("ar", "ngram"))
+    assert "interleaved" in open(os.path.join(out, "sweep.md")).read()
+
+
+def test_interleaved_engines_each_count_their_own_tokens_and_seconds(tmp_path):
+    """Two engines stepping in turn serve the same prompts: greedy speculation emits exactly the
+    plain engine's tokens, and each engine's seconds are its own steps' (together at most the
+    wall time of the whole run)."""
+    import argparse
+    import time
+    from tests.tokenizer_util import add_tiny_tokenizer
+    from draftwise.bench.run import parse_methods, run_interleaved
+    model = str(tmp_path / "m")
+    make_tiny_hf(model)
+    add_tiny_tokenizer(model)
+    args = argparse.Namespace(model=model, max_tokens=10, ignore_eos=False, max_model_len=256, enforce_eager=True)
+    convs = [[f"hello {i} world hello {i} world"] for i in range(4)]
+    t0 = time.perf_counter()
+    res = run_interleaved(parse_methods("ar,ngram"), args, convs, 2)
+    wall = time.perf_counter() - t0
+    assert res["ar"]["output_tokens"] == res["ngram"]["output_tokens"] > 0
+    assert 0 < res["ar"]["time_s"] + res["ngram"]["time_s"] < wall
+    assert res["ngram"]["tokens_per_s"] == res["ngram"]["output_tokens"] / res["ngram"]["time_s"]
 
 
 def test_a_peer_that_cannot_run_is_a_row_with_its_error(tmp_path):
