@@ -224,11 +224,14 @@ def main(argv=None) -> int:
         from draftwise.bench.step_cost import main as step_cost_main
         step_cost_main(argv[2:])
         return 0
-    if argv[:2] in (["bench", "quality"], ["bench", "build-peer"]):   # perplexity beside llama.cpp; its build
+    if argv[:2] in (["bench", "quality"], ["bench", "build-peer"], ["bench", "vllm-peer"]):
+        # perplexity beside llama.cpp; llama.cpp's build; vLLM's CPU server
         from draftwise.bench.build_peer import main as build_peer_main
         from draftwise.bench.quality import main as quality_main
+        from draftwise.bench.vllm_peer import main as vllm_peer_main
+        tool = {"quality": quality_main, "build-peer": build_peer_main, "vllm-peer": vllm_peer_main}[argv[1]]
         try:
-            (quality_main if argv[1] == "quality" else build_peer_main)(argv[2:])
+            tool(argv[2:])
         except ValueError as e:
             print(f"draftwise: error: {e}", file=sys.stderr)
             return 2
