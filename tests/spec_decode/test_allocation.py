@@ -408,3 +408,33 @@ def test_a_request_whose_recent_drafts_were_right_gets_its_next_nodes_rated_high
     for _ in range(5):
         a = updated_agreement(a, True)
     assert agreement_level(a) == 2 and agreement_level(updated_agreement(0.5, False)) == 0
+
+
+def test_a_clear_no_is_not_priced_again_until_the_shape_or_the_calibration_changes():
+    """At batch 32 drafting stays unprofitable for a hundred steps: the price comparison runs once
+    per RECHECK_EVERY steps of an unchanged shape, explorations keep their cadence, and a new
+    observation or another shape prices it afresh."""
+    priced = []
+
+    class Counted(StepCosts):
+        def __call__(self, tokens):
+            priced.append(tokens)
+            return super().__call__(tokens)
+
+    al = DraftAllocator(Counted({1: 0.001, 64: 0.064}))          # a token costs a token: drafts never pay
+    d = Draft.chain([1, 2], "suffix", [0.5, 0.25])
+    for _ in range(50):
+        al.observe(d, 0)
+    answers = []
+    for _ in range(2 * DraftAllocator.RECHECK_EVERY):
+        answers.append(al.worth_drafting(32, 32))
+    pricings = sum(1 for t in priced if t == 32)
+    assert pricings == 2                                           # once per RECHECK_EVERY steps
+    assert answers.count(True) == 2 and answers[DraftAllocator.EXPLORE_EVERY - 1]   # explorations as before
+    priced.clear()
+    al.observe(d, 0)
+    al.worth_drafting(32, 32)
+    assert 32 in priced                                            # the calibration moved: priced afresh
+    priced.clear()
+    al.worth_drafting(31, 31)
+    assert 31 in priced                                            # another shape: priced afresh
