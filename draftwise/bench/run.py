@@ -558,7 +558,7 @@ def run_interleaved(methods, args, convs, max_num_seqs: int) -> dict[str, dict]:
         if llm.engine.scheduler.draft_allocator is not None:
             al = llm.engine.scheduler.draft_allocator.table()
             out[name]["draft_allocation"] = {k: v for k, v in al.items() if k != "calibration"}
-    del engines, active, llm
+    engines.clear()                      # the engines go before the next round builds its own
     gc.collect()
     return out
 

@@ -558,3 +558,12 @@ def test_server_metrics_follow_cumulative_engine_counts():
     assert float(values["draftwise_draft_allocation_step_cost_scale"]) == 1.25
     assert float(values["draftwise_draft_allocation_step_overhead_seconds"]) == 0.002
     assert float(values["draftwise_spec_decode_num_draft_tokens_total"]) == 9
+
+
+def test_replicas_allocation_counts_add_up():
+    from draftwise.entrypoints.ray_serve.client import sum_engine_metrics
+    a = {"draft_allocation": {"steps": 10, "draft_tokens_kept": 4, "step_cost_scale": 1.5}}
+    b = {"draft_allocation": {"steps": 5, "draft_tokens_kept": 1, "step_cost_scale": 2.0}}
+    total = sum_engine_metrics([a, b, {}])["draft_allocation"]
+    assert total == {"steps": 15, "draft_tokens_kept": 5}          # counters add; a replica's scale does not
+    assert "draft_allocation" not in sum_engine_metrics([{}])

@@ -185,7 +185,8 @@ def sum_engine_metrics(reports: list[dict]) -> dict:
         alloc = m.get("draft_allocation") or {}
         for k in ALLOCATION_COUNTERS:
             if k in alloc:
-                out.setdefault("draft_allocation", {})[k] = out.get("draft_allocation", {}).get(k, 0) + alloc[k]
+                total = out.setdefault("draft_allocation", {})
+                total[k] = total.get(k, 0) + alloc[k]
     pc = out["prefix_cache"]
     pc["hit_rate"] = pc["hits"] / pc["queries"] if pc["queries"] else 0.0
     return out
