@@ -460,12 +460,11 @@ def test_metrics_spec_decode_per_position(server):
     if m["draftwise_spec_decode_num_drafts_total"] > 0:
         assert per_pos and all(re.search(r'position="\d+"', k) for k in per_pos)
         assert sum(per_pos.values()) == m["draftwise_spec_decode_num_accepted_tokens_total"]
-        # the allocation kept what was verified, and chose for every step that verified a draft
+        # the allocation chose for the drafting steps and kept no more than was offered (seeded
+        # sampled requests verify their drafts whole, beside the allocation's choice)
         alloc = {k[len("draftwise_draft_allocation_"):-len("_total")]: v for k, v in m.items()
                  if k.startswith("draftwise_draft_allocation_") and k.endswith("_total")}
-        assert alloc["steps"] > 0 and alloc["steps_without_drafting"] <= alloc["steps"]
-        assert alloc["draft_tokens_kept"] <= alloc["draft_tokens_offered"]
-        assert alloc["draft_tokens_kept"] >= m["draftwise_spec_decode_num_draft_tokens_total"]
+        assert alloc["steps"] > 0 and 0 < alloc["draft_tokens_kept"] <= alloc["draft_tokens_offered"]
 
 
 def test_engine_failure_is_500_and_server_recovers(local_server):
