@@ -413,24 +413,26 @@ def _depths(parents: list[int]) -> list[int]:
     return depth
 
 
-def allocate(accept: list[list[float]], fixed_tokens: int, sampled: float, cost) -> list[int]:
+def allocate(accept: list[list[float]], fixed_tokens: int, sampled: float, cost, min_gain: float = 0.0) -> list[int]:
     """Draft lengths maximising expected emitted tokens per second of the step.
 
     accept: per request, the acceptance probability of each draft node in creation order
             (non-increasing); fixed_tokens: the step's tokens besides these drafts; sampled: the
             tokens the step emits without them (one per sampling request); cost(T): seconds of a
-            step of T tokens.
+            step of T tokens; min_gain: drafts are kept only if they promise at least this share
+            more tokens per second than the step without them.
     Returns k_i per request (a prefix length of its draft)."""
-    return best_allocation(accept, fixed_tokens, sampled, cost)[0]
+    return best_allocation(accept, fixed_tokens, sampled, cost, min_gain=min_gain)[0]
 
 
 def best_allocation(accept: list[list[float]], fixed_tokens: int, sampled: float, cost,
-                    extra_seconds: float = 0.0) -> tuple[list[int], float]:
+                    extra_seconds: float = 0.0, min_gain: float = 0.0) -> tuple[list[int], float]:
     """`allocate`'s draft lengths and the expected emitted tokens per second they give, the step
     costing `extra_seconds` more than `cost` says (the drafting that made these drafts)."""
     nodes = sorted(((p, j, i) for i, row in enumerate(accept) for j, p in enumerate(row)),
                    key=lambda x: (-x[0], x[1], x[2]))
-    best_n, best_rate = 0, sampled / (cost(fixed_tokens) + extra_seconds) if fixed_tokens else 0.0
+    base = sampled / (cost(fixed_tokens) + extra_seconds) if fixed_tokens else 0.0
+    best_n, best_rate = 0, base
     expected = float(sampled)
     for n, (p, _, _) in enumerate(nodes, start=1):
         if p <= 0:
@@ -439,6 +441,8 @@ def best_allocation(accept: list[list[float]], fixed_tokens: int, sampled: float
         rate = expected / (cost(fixed_tokens + n) + extra_seconds)
         if rate > best_rate:
             best_n, best_rate = n, rate
+    if best_n and best_rate < base * (1.0 + min_gain):
+        best_n, best_rate = 0, base
     lengths = [0] * len(accept)
     for _, j, i in nodes[:best_n]:
         lengths[i] = max(lengths[i], j + 1)
@@ -453,6 +457,11 @@ class DraftAllocator:
     EXPLORE_REQUESTS = 2                   # an exploring step drafts for this many requests at most
     RECHECK_EVERY = 8                      # steps a clear "not worth drafting" holds for an unchanged shape
     CLEAR_MARGIN = 0.97                    # ... clear: drafting's best rate under this share of plain's
+    # drafts must promise this share more tokens per second than the step without them: the cost
+    # model and the calibration are each a few percent off at times (a server's calibration read
+    # 9 % optimistic at concurrency 4; one engine's steps differ 2 % from another's), and a draft
+    # within that of break-even is a coin flip that costs its drafting and host work
+    MIN_GAIN = 0.03
 
     def __init__(self, costs: StepCosts, calibration: AcceptanceCalibration | None = None):
         self.costs = costs
@@ -531,7 +540,7 @@ class DraftAllocator:
             with_one = max(with_one, expected / (self.costs(fixed_tokens + requests * n)
                                                  + requests * self.draft_seconds_per_request))
         self._clear_no = (shape, self.RECHECK_EVERY - 1) if with_one < self.CLEAR_MARGIN * base else None
-        return with_one > base
+        return with_one > base * (1.0 + self.MIN_GAIN)
 
     def step_rate(self, accept: list[list[float]], fixed_tokens: int, sampled: int, decode_tokens: int | None,
                   extra_seconds: float) -> float:
@@ -559,7 +568,7 @@ class DraftAllocator:
         if not self.costs:
             lengths = [len(a) for a in accept]
         else:
-            lengths = allocate(accept, fixed_tokens, sampled, self.costs)
+            lengths = allocate(accept, fixed_tokens, sampled, self.costs, self.MIN_GAIN)
         if self._exploring:
             self._explorations += 1
         self.explored = self._explorations if self._exploring and not sum(lengths) else 0
