@@ -236,12 +236,16 @@ def run_engine_method(name, spec, args, convs, bar=None, llm=None, quantization=
     if eng.policy is not None:
         res["speculation_policy"] = eng.policy.table()
     if eng.scheduler.draft_allocator is not None:
-        al = eng.scheduler.draft_allocator.table()
-        res["draft_allocation"] = {k: v for k, v in al.items() if k != "calibration"}
+        res["draft_allocation"] = allocation_summary(eng)
     if own:
         del llm, eng
         gc.collect()
     return res
+
+
+def allocation_summary(engine) -> dict:
+    """The draft allocation's table without its calibration cells (a run's counts and costs)."""
+    return {k: v for k, v in engine.scheduler.draft_allocator.table().items() if k != "calibration"}
 
 
 class PhaseTimes:
@@ -479,6 +483,13 @@ def run_sweep(args) -> dict:
     samples: dict = {}
     errors: dict = {}
     allocation: dict = {}
+
+    def record(name: str, r: dict, b: int, rnd: int, how: str = "") -> None:
+        samples.setdefault(name, {}).setdefault(b, []).append(r["tokens_per_s"])
+        if r.get("draft_allocation"):
+            allocation.setdefault(name, {})[b] = r["draft_allocation"]
+        print(f"round {rnd} B={b} {name}: {r['tokens_per_s']:.1f} tok/s{how}", flush=True)
+
     for b in sizes:
         a = copy.copy(args)
         a.batch_size, a.max_turns = len(convs), 1
@@ -487,10 +498,7 @@ def run_sweep(args) -> dict:
             if getattr(args, "interleave", False):
                 engines = [(name, spec, q) for name, spec, q in order if spec not in PEERS]
                 for name, r in run_interleaved(engines, a, convs, b).items():
-                    samples.setdefault(name, {}).setdefault(b, []).append(r["tokens_per_s"])
-                    if r.get("draft_allocation"):
-                        allocation.setdefault(name, {})[b] = r["draft_allocation"]
-                    print(f"round {rnd} B={b} {name}: {r['tokens_per_s']:.1f} tok/s (interleaved)", flush=True)
+                    record(name, r, b, rnd, " (interleaved)")
                 order = [m for m in order if m[1] in PEERS]
             # odd rounds run the methods in reverse order, so neither always runs first
             for name, spec, q in order:
@@ -509,10 +517,7 @@ def run_sweep(args) -> dict:
                     r = run_engine_method(name, spec, a, convs, llm=llm)
                     del llm
                     gc.collect()
-                samples.setdefault(name, {}).setdefault(b, []).append(r["tokens_per_s"])
-                if r.get("draft_allocation"):
-                    allocation.setdefault(name, {})[b] = r["draft_allocation"]
-                print(f"round {rnd} B={b} {name}: {r['tokens_per_s']:.1f} tok/s", flush=True)
+                record(name, r, b, rnd)
     table = {m: {b: statistics.median(v) for b, v in row.items()} for m, row in samples.items()}
     # the ratio to plain decoding within each round (both ran minutes apart at most), median over
     # rounds: steadier than the ratio of medians when the machine's speed drifts between rounds
@@ -535,9 +540,9 @@ def run_interleaved(methods, args, convs, max_num_seqs: int) -> dict[str, dict]:
     figures are each method's own; the engines share the memory bandwidth only in turn."""
     engines = []
     sp = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=getattr(args, "ignore_eos", False))
+    hists = [[{"role": "user", "content": c[0]}] for c in convs]
     for name, spec, q in methods:
         llm = build_engine_llm(spec, args, max_num_seqs, q)
-        hists = [[{"role": "user", "content": c[0]}] for c in convs]
         llm._add_all([conversation_prompt(llm.tokenizer, h) for h in hists], [_constrained(sp, h) for h in hists])
         engines.append((name, llm))
     busy = {name: 0.0 for name, _ in engines}
@@ -556,8 +561,7 @@ def run_interleaved(methods, args, convs, max_num_seqs: int) -> dict[str, dict]:
         out[name] = {"tokens_per_s": tokens[name] / busy[name] if busy[name] else 0.0, "output_tokens": tokens[name],
                      "time_s": busy[name]}
         if llm.engine.scheduler.draft_allocator is not None:
-            al = llm.engine.scheduler.draft_allocator.table()
-            out[name]["draft_allocation"] = {k: v for k, v in al.items() if k != "calibration"}
+            out[name]["draft_allocation"] = allocation_summary(llm.engine)
     engines.clear()                      # the engines go before the next round builds its own
     gc.collect()
     return out
