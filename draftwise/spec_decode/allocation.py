@@ -39,6 +39,7 @@ and watches them (an exploration), at the cost of their drafting and no verified
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from draftwise.spec_decode.draft import Draft
@@ -455,8 +456,14 @@ class DraftAllocator:
     EXPLORE_EVERY = 8
     MAX_EXPLORE_EVERY = 64
     EXPLORE_REQUESTS = 2                   # an exploring step drafts for this many requests at most
-    RECHECK_EVERY = 8                      # steps a clear "not worth drafting" holds for an unchanged shape
-    CLEAR_MARGIN = 0.97                    # ... clear: drafting's best rate under this share of plain's
+    # explorations spend at most this share of the serving time: each skipped step adds this share
+    # of its priced seconds to a budget, and an exploration draws its drafting seconds from it (at
+    # batch 4 an exploration every 8 steps drafted for two requests at ~0.25 ms each beside 6 ms
+    # steps: ~1.5 % of the throughput, for drafts that did not pay there)
+    EXPLORE_SHARE = 0.005
+    # steps a "worth drafting or not" verdict holds for an unchanged step shape, unless the
+    # calibration has taken in this many drafts since
+    RECHECK_EVERY = 8
     # drafts must promise this share more tokens per second than the step without them: the cost
     # model and the calibration are each a few percent off at times (a server's calibration read
     # 9 % optimistic at concurrency 4; one engine's steps differ 2 % from another's), and a draft
@@ -486,7 +493,11 @@ class DraftAllocator:
         # at the former's seconds made drafting for 32 requests look as cheap as for two
         self.draft_seconds_per_request = 0.0
         self.longest_draft = 1             # nodes of the longest draft offered so far (at most 32)
-        self._clear_no = None              # (step shape, steps it still holds) of the last clear no
+        # (step shape, calibration observations, steps it still holds, verdict) of the last pricing
+        self._verdict = None
+        self._pricing_seconds = 0.0        # the last `choose`'s own time, charged to the next drafting
+        self._step_seconds = 0.0           # the priced seconds of the last priced step shape
+        self._explore_budget = 0.0         # seconds explorations may still spend (EXPLORE_SHARE)
 
     def _credited(self, fixed_tokens: int, sampled: float, decode_tokens: int | None) -> float:
         """`sampled`, with the step's prefill credited at the plain decoding rate of its decode
@@ -511,8 +522,16 @@ class DraftAllocator:
         # unlucky): after EXPLORE_EVERY skipped steps, backing off to MAX_EXPLORE_EVERY while the
         # explorations' drafts disagree with the target - for a couple of requests only, and
         # watched rather than verified where the allocation cuts them (the scheduler compares
-        # them with the tokens emitted next), so an exploration costs their drafting alone
-        explore = not pays and self._skips_in_row + 1 >= self._explore_every
+        # them with the tokens emitted next), so an exploration costs their drafting alone - and
+        # draws it from a budget that grows by EXPLORE_SHARE of every skipped step's seconds
+        explore = False
+        if not pays:
+            cost = min(sampled, self.EXPLORE_REQUESTS) * self.draft_seconds_per_request
+            share = self.EXPLORE_SHARE * self._step_seconds
+            self._explore_budget = min(self._explore_budget + share, max(2.0 * cost, share))
+            explore = self._skips_in_row + 1 >= self._explore_every and self._explore_budget >= cost
+            if explore:
+                self._explore_budget -= cost
         worth = pays or explore
         self._exploring = explore
         self.explore_requests = self.EXPLORE_REQUESTS if explore else None
@@ -521,17 +540,21 @@ class DraftAllocator:
         return worth
 
     def _drafting_pays(self, fixed_tokens: int, sampled: int, decode_tokens: int | None) -> bool:
-        """`worth_drafting`'s price comparison. A step shape found clearly not worth drafting
-        (by CLEAR_MARGIN) is not priced again for RECHECK_EVERY steps of the same shape while the
-        calibration learns nothing new: at batch 32 the answer stays no for a hundred steps, and
-        pricing it each time was a measurable share of the host work `auto` adds to plain decoding."""
-        shape = (fixed_tokens, sampled, decode_tokens, self.calibration.observations)
-        if self._clear_no is not None and self._clear_no[0] == shape and self._clear_no[1] > 0:
-            self._clear_no = (shape, self._clear_no[1] - 1)
-            return False
+        """`worth_drafting`'s price comparison. Its verdict holds for RECHECK_EVERY steps of the
+        same shape unless the calibration has taken in RECHECK_EVERY drafts since: at batch 32 the
+        answer stays no for a hundred steps, at batch 4 it sits near break-even with a draft
+        verified every few steps, and pricing it every step was a measurable share of the host
+        work `auto` adds to plain decoding (tens of microseconds of a 5.8 ms step at batch 4)."""
+        shape = (fixed_tokens, sampled, decode_tokens)
+        seen = self.calibration.observations
+        v = self._verdict
+        if v is not None and v[0] == shape and v[2] > 0 and seen - v[1] < self.RECHECK_EVERY:
+            self._verdict = (shape, v[1], v[2] - 1, v[3])
+            return v[3]
         requests = sampled
         sampled = self._credited(fixed_tokens, sampled, decode_tokens)
-        base = sampled / self.costs(fixed_tokens)
+        self._step_seconds = self.costs(fixed_tokens)
+        base = sampled / self._step_seconds
         expected, with_one = float(sampled), 0.0
         for n, p in enumerate(self.calibration.mean_chain(self.longest_draft), start=1):
             if p < 0.01:                  # deeper nodes add under 1 % of a token each: stop pricing
@@ -539,8 +562,9 @@ class DraftAllocator:
             expected += requests * p
             with_one = max(with_one, expected / (self.costs(fixed_tokens + requests * n)
                                                  + requests * self.draft_seconds_per_request))
-        self._clear_no = (shape, self.RECHECK_EVERY - 1) if with_one < self.CLEAR_MARGIN * base else None
-        return with_one > base * (1.0 + self.MIN_GAIN)
+        pays = with_one > base * (1.0 + self.MIN_GAIN)
+        self._verdict = (shape, seen, self.RECHECK_EVERY - 1, pays)
+        return pays
 
     def step_rate(self, accept: list[list[float]], fixed_tokens: int, sampled: int, decode_tokens: int | None,
                   extra_seconds: float) -> float:
@@ -550,8 +574,11 @@ class DraftAllocator:
         return best_allocation(accept, fixed_tokens, sampled, self.costs, extra_seconds)[1]
 
     def observe_drafting(self, seconds: float, requests: int = 1) -> None:
-        """A step spent `seconds` drafting for `requests` requests."""
-        per_request = seconds / max(1, requests)
+        """A step spent `seconds` drafting for `requests` requests; the last `choose` (pricing the
+        drafts it cut) is charged to it too: a step that drafts pays for both, and at batch 4
+        pricing cost about as much as drafting."""
+        per_request = (seconds + self._pricing_seconds) / max(1, requests)
+        self._pricing_seconds = 0.0
         self.draft_seconds_per_request += 0.1 * (per_request - self.draft_seconds_per_request)
 
     def choose(self, drafts: list[Draft | None], fixed_tokens: int, sampled: int,
@@ -559,6 +586,7 @@ class DraftAllocator:
         """Lengths to keep of each draft (0 for None); `whole` drafts are verified in full beside
         them (their tokens and expected accepted tokens are part of the step); `decode_tokens`:
         the step's decode rows, where the rest of `fixed_tokens` is prefill."""
+        t0 = time.perf_counter()
         if self.costs:
             sampled = self._credited(fixed_tokens, sampled, decode_tokens)
         fixed_tokens += sum(len(d) for d in whole)
@@ -580,6 +608,7 @@ class DraftAllocator:
         self.steps += 1
         self.offered += sum(len(a) for a in accept)
         self.kept += sum(lengths)
+        self._pricing_seconds = time.perf_counter() - t0
         return lengths
 
     def observe(self, draft: Draft | None, num_accepted: int) -> None:

@@ -410,10 +410,11 @@ def test_a_request_whose_recent_drafts_were_right_gets_its_next_nodes_rated_high
     assert agreement_level(a) == 2 and agreement_level(updated_agreement(0.5, False)) == 0
 
 
-def test_a_clear_no_is_not_priced_again_until_the_shape_or_the_calibration_changes():
-    """At batch 32 drafting stays unprofitable for a hundred steps: the price comparison runs once
-    per RECHECK_EVERY steps of an unchanged shape, explorations keep their cadence, and a new
-    observation or another shape prices it afresh."""
+def test_a_verdict_is_not_priced_again_until_the_shape_or_the_calibration_moves():
+    """At batch 32 drafting stays unprofitable for a hundred steps, and at batch 4 it sits near
+    break-even with drafts verified every few steps: the price comparison runs once per
+    RECHECK_EVERY steps of an unchanged shape, explorations keep their cadence, and another shape
+    or RECHECK_EVERY drafts taken in by the calibration price it afresh."""
     priced = []
 
     class Counted(StepCosts):
@@ -431,10 +432,65 @@ def test_a_clear_no_is_not_priced_again_until_the_shape_or_the_calibration_chang
     pricings = sum(1 for t in priced if t == 32)
     assert pricings == 2                                           # once per RECHECK_EVERY steps
     assert answers.count(True) == 2 and answers[DraftAllocator.EXPLORE_EVERY - 1]   # explorations as before
+    al.worth_drafting(32, 32)                                      # the third pricing: a fresh verdict
     priced.clear()
     al.observe(d, 0)
+    al.worth_drafting(32, 32)
+    assert 32 not in priced                                        # one more draft: the verdict holds
+    for _ in range(DraftAllocator.RECHECK_EVERY):
+        al.observe(d, 0)
     al.worth_drafting(32, 32)
     assert 32 in priced                                            # the calibration moved: priced afresh
     priced.clear()
     al.worth_drafting(31, 31)
     assert 31 in priced                                            # another shape: priced afresh
+
+
+def test_a_yes_holds_too_and_drafting_is_charged_for_its_pricing():
+    """A step shape where drafting pays keeps its yes for RECHECK_EVERY steps (batch 1 prices it
+    once, not every step), and what `choose` spent pricing drafts is charged to drafting: with
+    pricing as dear as a target step, drafting for one request no longer pays."""
+    priced = []
+
+    class Counted(StepCosts):
+        def __call__(self, tokens):
+            priced.append(tokens)
+            return super().__call__(tokens)
+
+    al = DraftAllocator(Counted({1: 0.010, 2: 0.0101, 4: 0.0103, 8: 0.0106}))   # rows nearly free
+    d = Draft.chain([1, 2, 3], "suffix", [0.9, 0.8, 0.7])
+    for _ in range(50):
+        al.observe(d, 3)
+    assert all(al.worth_drafting(1, 1) for _ in range(DraftAllocator.RECHECK_EVERY))
+    assert sum(1 for t in priced if t == 1) == 1                   # priced once for the whole run of yeses
+    al._pricing_seconds = 0.05                                     # a `choose` that took 50 ms
+    al.observe_drafting(0.0, 1)
+    assert al.draft_seconds_per_request == pytest.approx(0.005)    # decayed mean: 0.1 of the new 50 ms
+    for _ in range(30):
+        al._pricing_seconds = 0.05
+        al.observe_drafting(0.0, 1)
+    al._verdict = None
+    assert not al._drafting_pays(1, 1, 1)                          # drafting now costs more than it saves
+    lengths = al.choose([d], 1, 1)
+    assert lengths == [3] and al._pricing_seconds > 0              # choose times itself
+
+
+def test_explorations_spend_at_most_their_share_of_the_serving_time():
+    """Where drafting does not pay, explorations draw their drafting seconds from a budget of
+    EXPLORE_SHARE of the skipped steps' seconds: dear drafting beside short steps explores less
+    often than every EXPLORE_EVERY steps, free drafting as often as before."""
+    def explorations(draft_seconds: float, steps: int = 800) -> int:
+        al = DraftAllocator(StepCosts({1: 0.001, 64: 0.064}))      # a token costs a token: drafts never pay
+        d = Draft.chain([1, 2], "suffix", [0.5, 0.25])
+        for _ in range(50):
+            al.observe(d, 0)
+        for _ in range(100):
+            al.observe_drafting(2 * draft_seconds, 2)
+        return sum(al.worth_drafting(4, 4) for _ in range(steps))
+
+    free = explorations(0.0)
+    assert free == 800 // DraftAllocator.EXPLORE_EVERY             # the cadence alone
+    dear = explorations(0.00025)                                   # 0.5 ms an exploration beside 4 ms steps
+    spent = dear * 2 * 0.00025
+    assert 0 < dear < free / 2
+    assert spent <= DraftAllocator.EXPLORE_SHARE * 800 * 0.004 + 2 * 2 * 0.00025
