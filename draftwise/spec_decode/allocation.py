@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from draftwise.spec_decode.draft import Draft
 
@@ -450,6 +451,15 @@ def best_allocation(accept: list[list[float]], fixed_tokens: int, sampled: float
     return lengths, best_rate
 
 
+class _Verdict(NamedTuple):
+    """The gate's last priced answer (`DraftAllocator._drafting_pays`)."""
+    shape: tuple                 # (fixed tokens, sampling requests, decode tokens) of the step priced
+    seen: int                    # the calibration's observations when it was priced
+    left: int                    # further steps it holds
+    pays: bool
+    step_seconds: float          # the priced seconds of a step of that shape without drafts
+
+
 class DraftAllocator:
     """The scheduler's draft allocation: calibration, step costs and the per-step choice."""
 
@@ -458,8 +468,8 @@ class DraftAllocator:
     EXPLORE_REQUESTS = 2                   # an exploring step drafts for this many requests at most
     # explorations spend at most this share of the serving time: each skipped step adds this share
     # of its priced seconds to a budget, and an exploration draws its drafting seconds from it (at
-    # batch 4 an exploration every 8 steps drafted for two requests at ~0.25 ms each beside 6 ms
-    # steps: ~1.5 % of the throughput, for drafts that did not pay there)
+    # batch 4 an exploration every 8 steps drafted for two requests, ~0.25 ms each with their
+    # pricing, beside 6 ms steps: ~1 % of the throughput, for drafts that did not pay there)
     EXPLORE_SHARE = 0.005
     # steps a "worth drafting or not" verdict holds for an unchanged step shape, unless the
     # calibration has taken in this many drafts since
@@ -493,10 +503,8 @@ class DraftAllocator:
         # at the former's seconds made drafting for 32 requests look as cheap as for two
         self.draft_seconds_per_request = 0.0
         self.longest_draft = 1             # nodes of the longest draft offered so far (at most 32)
-        # (step shape, calibration observations, steps it still holds, verdict) of the last pricing
-        self._verdict = None
+        self._verdict: _Verdict | None = None
         self._pricing_seconds = 0.0        # the last `choose`'s own time, charged to the next drafting
-        self._step_seconds = 0.0           # the priced seconds of the last priced step shape
         self._explore_budget = 0.0         # seconds explorations may still spend (EXPLORE_SHARE)
 
     def _credited(self, fixed_tokens: int, sampled: float, decode_tokens: int | None) -> float:
@@ -527,7 +535,7 @@ class DraftAllocator:
         explore = False
         if not pays:
             cost = min(sampled, self.EXPLORE_REQUESTS) * self.draft_seconds_per_request
-            share = self.EXPLORE_SHARE * self._step_seconds
+            share = self.EXPLORE_SHARE * self._verdict.step_seconds
             self._explore_budget = min(self._explore_budget + share, max(2.0 * cost, share))
             explore = self._skips_in_row + 1 >= self._explore_every and self._explore_budget >= cost
             if explore:
@@ -548,13 +556,13 @@ class DraftAllocator:
         shape = (fixed_tokens, sampled, decode_tokens)
         seen = self.calibration.observations
         v = self._verdict
-        if v is not None and v[0] == shape and v[2] > 0 and seen - v[1] < self.RECHECK_EVERY:
-            self._verdict = (shape, v[1], v[2] - 1, v[3])
-            return v[3]
+        if v is not None and v.shape == shape and v.left > 0 and seen - v.seen < self.RECHECK_EVERY:
+            self._verdict = v._replace(left=v.left - 1)
+            return v.pays
         requests = sampled
         sampled = self._credited(fixed_tokens, sampled, decode_tokens)
-        self._step_seconds = self.costs(fixed_tokens)
-        base = sampled / self._step_seconds
+        step_seconds = self.costs(fixed_tokens)
+        base = sampled / step_seconds
         expected, with_one = float(sampled), 0.0
         for n, p in enumerate(self.calibration.mean_chain(self.longest_draft), start=1):
             if p < 0.01:                  # deeper nodes add under 1 % of a token each: stop pricing
@@ -563,7 +571,7 @@ class DraftAllocator:
             with_one = max(with_one, expected / (self.costs(fixed_tokens + requests * n)
                                                  + requests * self.draft_seconds_per_request))
         pays = with_one > base * (1.0 + self.MIN_GAIN)
-        self._verdict = (shape, seen, self.RECHECK_EVERY - 1, pays)
+        self._verdict = _Verdict(shape, seen, self.RECHECK_EVERY - 1, pays, step_seconds)
         return pays
 
     def step_rate(self, accept: list[list[float]], fixed_tokens: int, sampled: int, decode_tokens: int | None,
@@ -576,7 +584,7 @@ class DraftAllocator:
     def observe_drafting(self, seconds: float, requests: int = 1) -> None:
         """A step spent `seconds` drafting for `requests` requests; the last `choose` (pricing the
         drafts it cut) is charged to it too: a step that drafts pays for both, and at batch 4
-        pricing cost about as much as drafting."""
+        pricing cost about half as much as drafting."""
         per_request = (seconds + self._pricing_seconds) / max(1, requests)
         self._pricing_seconds = 0.0
         self.draft_seconds_per_request += 0.1 * (per_request - self.draft_seconds_per_request)
