@@ -8,7 +8,9 @@ from torch import nn
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    # the tables are always computed on the CPU (moved with the model): a model laid out on the meta
+    # device would otherwise run these ops through torch's Python references, which import torch._dynamo
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim))
     if not scaling:
         return inv_freq
     kind = scaling.get("rope_type", scaling.get("type"))
@@ -34,7 +36,7 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_position: int, theta: float, scaling: dict | None = None):
         super().__init__()
         inv_freq = rope_inv_freq(head_dim, theta, scaling)
-        t = torch.arange(max_position, dtype=torch.float32)
+        t = torch.arange(max_position, dtype=torch.float32, device="cpu")
         freqs = t[:, None] * inv_freq[None, :]
         emb = torch.cat([freqs, freqs], dim=-1)
         self.register_buffer("cos", emb.cos(), persistent=False)

@@ -162,11 +162,20 @@ def _shard_sizes(module: nn.Module, param_name: str) -> list[int]:
     raise ValueError(f"no shard layout for {param_name}")
 
 
+def _embedding_init(rows: int, cols: int) -> torch.Tensor:
+    """nn.Embedding's own N(0, 1) initial weights - except on the meta device (a model laid out
+    before its weights are read), where there is nothing to initialise and torch's meta `normal_`
+    would import torch._dynamo (and with it triton) on the plain eager path."""
+    w = torch.empty(rows, cols)
+    return w if w.is_meta else nn.init.normal_(w)
+
+
 class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, max_position: int | None = None):
         super().__init__()
         self.config = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
+                                         _weight=_embedding_init(cfg.vocab_size, cfg.hidden_size))
         self.layers = nn.ModuleList([DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)

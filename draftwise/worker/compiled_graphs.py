@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import time
 
 import torch
@@ -39,9 +40,19 @@ DEFAULT_STATIC_SIZES = (1, 2, 4, 8)
 DYNAMIC_PAD = 16
 
 
+def keep_triton_out() -> None:
+    """On a PyTorch build without a GPU backend, mark `triton` as absent before torch._dynamo looks
+    for it. Inductor's CPU code generation never uses it, but once imported (it is installed as a
+    dependency of xgrammar) its bindings print hundreds of nanobind "leaked" lines at interpreter
+    exit. With a CUDA or ROCm build triton is left alone: there Inductor needs it."""
+    if torch.version.cuda is None and getattr(torch.version, "hip", None) is None and "triton" not in sys.modules:
+        sys.modules["triton"] = None        # `import triton` raises ImportError: "not installed"
+
+
 def configure_compile_cache() -> str:
     """Point Inductor's on-disk caches at the draftwise cache directory (before first compile)."""
     d = os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(cache_dir(), "inductor"))
+    keep_triton_out()
     import torch._dynamo.config as dcfg
     import torch._inductor.config as icfg
     icfg.fx_graph_cache = True
