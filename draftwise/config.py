@@ -302,6 +302,10 @@ class EngineConfig:
     async_scheduling: bool = False
     # the chat template in place of the model's own (its text); None: the model's
     chat_template: str | None = None
+    # a directory holding the tokenizer to use in place of the model's own; None: the model's
+    tokenizer: str | None = None
+    # sampling defaults from the model's generation_config.json (a request's own values win)
+    generation_defaults: dict = field(default_factory=dict)
 
     def __post_init__(self):
         if self.compile_sizes is not None:

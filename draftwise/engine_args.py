@@ -18,6 +18,8 @@ from draftwise.config import EngineConfig, SpeculativeConfig, parse_bytes
 from draftwise.inputs import read_chat_template
 from draftwise.models.loader import DEFAULT_MODEL
 from draftwise.models.loader import native_quantization
+from draftwise.models.hub import HubOptions
+from draftwise.models.names import ResolvedModel, resolve_model, resolve_tokenizer
 from draftwise.models.packaged import installed_draft_model, packaged_model
 
 # The default ("auto") is the configuration that measured fastest (`draftwise bench`, MT-bench and
@@ -64,7 +66,8 @@ def _opt(default, help: str, **flag):
 
 @dataclass
 class EngineArgs:
-    model: str = _opt(DEFAULT_MODEL, "HF directory, .gguf file or packaged model name")
+    model: str = _opt(DEFAULT_MODEL, "a GGUF file or checkpoint directory, a packaged model's short name, "
+                                     "ollama:NAME[:TAG], or a Hugging Face name ORG/REPO[:QUANT] / ORG/REPO/FILE.gguf")
     speculative_config: object = _opt(
         "auto", "'auto' (the measured fastest: suffix decoding), 'none', or JSON, e.g. "
                 "'{\"method\": \"eagle3\"}' (a dict in Python)")
@@ -97,6 +100,13 @@ class EngineArgs:
                                          "detokenize step n-1 while step n runs")
     chat_template: str | None = _opt(None, "a chat template in place of the model's own: a Jinja file, or the "
                                            "template itself (default: the one in the model's files, if any)")
+    tokenizer: str | None = _opt(None, "the tokenizer of another model (ORG/REPO, a directory or a GGUF), for a "
+                                       "GGUF whose metadata lacks a usable tokenizer or chat template")
+    revision: str | None = _opt(None, "the Hub revision (branch, tag or commit) of a model named by Hub name")
+    hf_token: str | None = _opt(None, "Hugging Face token for gated or private repos (default: HF_TOKEN)")
+    offline: bool = _opt(False, "read Hub models from the Hugging Face cache only, never the network "
+                                "(as HF_HUB_OFFLINE=1)")
+    quiet: bool = _opt(False, "no download progress bars (they are shown only on a terminal anyway)")
 
     # --- command line --------------------------------------------------------------------------
     @classmethod
@@ -141,7 +151,22 @@ class EngineArgs:
                     raise ValueError(f"speculative_config is not valid JSON (nor 'auto' / 'none'): {e}") from None
         return SpeculativeConfig.from_any(spec)
 
+    def hub_options(self) -> HubOptions:
+        return HubOptions(revision=self.revision, token=self.hf_token, offline=bool(self.offline),
+                          quiet=bool(self.quiet))
+
+    def resolved_model(self) -> ResolvedModel:
+        """The model on disk (fetched from the Hub into its cache when named by Hub name)."""
+        return resolve_model(self.model, self.hub_options())
+
     def create_engine_config(self) -> EngineConfig:
+        model = self.resolved_model()
+        spec = self.speculative()
+        if spec is not None and spec.model is not None and spec.method in ("draft_model", "eagle3", "dflash"):
+            # a drafter by name: local, packaged or on the Hub (its own revision is the default branch)
+            opts = HubOptions(token=self.hf_token, offline=bool(self.offline), quiet=bool(self.quiet))
+            spec.model = resolve_model(spec.model, opts, role="model" if spec.method == "draft_model"
+                                       else "drafter").path
         sizes = self.compile_sizes
         if isinstance(sizes, str):
             try:
@@ -149,14 +174,16 @@ class EngineArgs:
             except ValueError:
                 raise ValueError(f"compile_sizes must be comma-separated integers, got {sizes!r}") from None
         return EngineConfig(
-            model=self.model, max_model_len=self.max_model_len, max_num_seqs=self.max_num_seqs,
+            model=model.path, max_model_len=self.max_model_len, max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens or max(self.max_model_len, 512),
             block_size=self.block_size, num_kv_blocks=self.num_kv_blocks, dtype=self.dtype, device=self.device,
-            seed=self.seed, speculative_config=self.speculative(), enforce_eager=bool(self.enforce_eager),
-            compile_sizes=sizes, quantization=resolve_quantization(self.model, self.quantization),
+            seed=self.seed, speculative_config=spec, enforce_eager=bool(self.enforce_eager),
+            compile_sizes=sizes, quantization=resolve_quantization(model.path, self.quantization),
             enable_prefix_caching=self.enable_prefix_caching, tensor_parallel_size=self.tensor_parallel_size,
             distributed_executor_backend=self.distributed_executor_backend,
             async_scheduling=self.async_scheduling,
             kv_cache_memory=None if self.kv_cache_memory is None else parse_bytes(self.kv_cache_memory),
             kv_cache_dtype=self.kv_cache_dtype,
-            chat_template=None if self.chat_template is None else read_chat_template(self.chat_template))
+            chat_template=None if self.chat_template is None else read_chat_template(self.chat_template),
+            tokenizer=None if self.tokenizer is None else resolve_tokenizer(self.tokenizer, self.hub_options()),
+            generation_defaults=dict(model.generation_defaults))

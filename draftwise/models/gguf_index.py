@@ -77,6 +77,7 @@ class Tensor:
     n_bytes: int
     data_offset: int
     data: np.ndarray                   # a view of the file: uint8 [rows, row bytes] for block types
+    mmap: Any = None                   # the mapping `data` views (a split model's shards each have one)
 
 
 class GGUFIndex:
@@ -133,7 +134,7 @@ class GGUFIndex:
                     quant_shape_to_byte_shape(np_dims, kind))
             else:
                 data = np.frombuffer(self.mmap, dtype=dtype, count=n, offset=at).reshape(np_dims)
-            self.tensors.append(Tensor(name, dims, kind, n, n_bytes, at, data))
+            self.tensors.append(Tensor(name, dims, kind, n, n_bytes, at, data, self.mmap))
 
     @staticmethod
     def _value(cur: _Cursor, vtype: int) -> Field:

@@ -118,7 +118,7 @@ class GGUFBlocks:
         counted in this process's memory): a model's blocks are read once, and keeping every page
         mapped would add the whole file to the peak beside the decoded weights."""
         import mmap
-        mm = getattr(self.reader, "mmap", None)
+        mm = getattr(t, "mmap", None) or getattr(self.reader, "mmap", None)
         if mm is None or not hasattr(mm, "madvise"):
             return
         start = int(t.data_offset) // mmap.PAGESIZE * mmap.PAGESIZE

@@ -16,7 +16,7 @@ from draftwise.formats import FORMATS
 from draftwise.layers.fused_layer import enable_fused_layers
 from draftwise.layers.quant import GroupAffineEmbedding, exact_linear, requantize_linears
 from draftwise.models.gguf_convert import _NAME_MAP, block_map, convert_gguf, gguf_metadata_dir
-from draftwise.models.gguf_file import open_gguf
+from draftwise.models.gguf_file import is_gguf, open_gguf
 from draftwise.models.gguf_weights import GGUFBlocks
 from draftwise.models.llama import load_stacked_weights
 from draftwise.models.packaged import PACKAGED, packaged_gguf, packaged_model
@@ -29,10 +29,10 @@ DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 def gguf_path_for(model: str) -> str | None:
     """The GGUF file a model name or path is read from, if any (a packaged model's is assembled
     into the cache on first use)."""
+    if os.path.isfile(model) and (model.lower().endswith(".gguf") or is_gguf(model)):
+        return model                   # (a malformed .gguf is refused by open_gguf, naming the problem)
     if packaged_model(model) is not None:
         return packaged_gguf(model, cache_dir())
-    if model.endswith(".gguf") and os.path.isfile(model):
-        return model
     return None
 
 
@@ -51,16 +51,14 @@ def native_quantization(model: str) -> str | None:
 
 def resolve_model_dir(model: str) -> str:
     """Return a local Hugging Face-style directory for `model` (converting a GGUF once)."""
-    packaged = gguf_path_for(model) if not model.endswith(".gguf") else None
-    if packaged is not None:
-        return convert_gguf(packaged, cache_dir())
-    if model.endswith(".gguf"):
-        if not os.path.isfile(model):
-            raise ValueError(f"model path {model!r} does not exist")
-        return convert_gguf(model, cache_dir())
+    gguf = gguf_path_for(model)
+    if gguf is not None:
+        return convert_gguf(gguf, cache_dir())
+    if model.endswith(".gguf") and not os.path.exists(model):
+        raise ValueError(f"model path {model!r} does not exist")
     if not os.path.isdir(model):
-        raise ValueError(f"model {model!r} is neither a directory, a .gguf file nor a packaged model "
-                         f"({', '.join(PACKAGED)}); nothing is downloaded from a hub")
+        raise ValueError(f"model {model!r} is neither a directory, a GGUF file nor a packaged model "
+                         f"({', '.join(PACKAGED)})")
     if not os.path.exists(os.path.join(model, "config.json")):
         raise ValueError(f"model directory {model!r} has no config.json")
     return model

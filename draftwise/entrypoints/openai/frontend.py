@@ -33,7 +33,7 @@ class ModelFrontend:
 
     @classmethod
     def from_description(cls, info: dict) -> "ModelFrontend":
-        tokenizer = load_tokenizer(info["model_path"])
+        tokenizer = load_tokenizer(info.get("tokenizer_path") or info["model_path"])
         set_chat_template(tokenizer, info.get("chat_template"))
         return cls(tokenizer, info["max_model_len"], info["vocab_size"], info["max_num_seqs"],
                    tuple(info["eos_token_ids"]))
@@ -57,6 +57,7 @@ class ModelFrontend:
 
 def describe_engine(engine) -> dict:
     """The plain facts a front end needs about an engine (picklable: crosses process boundaries)."""
-    return {"model_path": engine.worker.model_path, "max_model_len": engine.config.max_model_len,
+    return {"model_path": engine.worker.model_path, "tokenizer_path": engine.config.tokenizer,
+            "max_model_len": engine.config.max_model_len,
             "vocab_size": engine.worker.model_cfg.vocab_size, "max_num_seqs": engine.config.max_num_seqs,
             "eos_token_ids": list(engine.eos_token_ids), "chat_template": engine.config.chat_template}

@@ -1,0 +1,202 @@
+"""Models by Hub name, through the real `huggingface_hub` client against a Hub on 127.0.0.1: the
+file a name picks is the only one fetched, into the standard cache, and answers exactly as the same
+file run by path; offline runs read the cache without a connection; every failure is one line."""
+import os
+import shutil
+import subprocess
+import sys
+import threading
+
+import pytest
+
+from draftwise import LLM, SamplingParams
+from draftwise.models.hub import HubError, HubOptions
+from draftwise.models.names import resolve_model
+from tests.hub.conftest import GATED_TOKEN
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12)
+MESSAGES = [{"role": "user", "content": "write a haiku about caches"}]
+
+
+def answer(model, **kw):
+    llm = LLM(model, max_model_len=256, max_num_seqs=2, **kw)
+    return llm.chat(MESSAGES, GREEDY)[0].outputs[0].token_ids
+
+
+def cached_files(cache):
+    return sorted(os.path.relpath(os.path.join(d, f), cache) for d, _, fs in os.walk(cache) for f in fs
+                  if "/snapshots/" in os.path.join(d, f))
+
+
+def test_a_quant_tag_fetches_that_file_alone_and_answers_as_the_file_by_path(local_hub):
+    by_name = answer("tiny-org/Tiny-GGUF:Q8_0")
+    assert local_hub.fetched("tiny-org/Tiny-GGUF") == ["tiny-Q8_0.gguf"]
+    snap = [f for f in cached_files(local_hub.cache)]
+    assert len(snap) == 1 and snap[0].startswith("models--tiny-org--Tiny-GGUF/snapshots/") and \
+        snap[0].endswith("/tiny-Q8_0.gguf")
+    assert by_name == answer(local_hub.paths["Q8_0"])
+    assert by_name != answer(local_hub.paths["Q4_K_M"])       # the files differ, so the check can fail
+
+
+def test_no_tag_is_q4_k_m_tags_are_case_insensitive_and_a_file_can_be_named(local_hub):
+    assert resolve_model("tiny-org/Tiny-GGUF").path.endswith("tiny-Q4_K_M.gguf")
+    assert resolve_model("tiny-org/Tiny-GGUF:q4_0").path.endswith("tiny-Q4_0.gguf")
+    named = resolve_model("tiny-org/Tiny-GGUF/tiny-Q8_0.gguf")
+    assert named.path.endswith("tiny-Q8_0.gguf") and named.repo == "tiny-org/Tiny-GGUF"
+    assert resolve_model("hf.co/tiny-org/Tiny-GGUF:Q8_0").path == named.path
+    assert sorted(local_hub.fetched("tiny-org/Tiny-GGUF")) == ["tiny-Q4_0.gguf", "tiny-Q4_K_M.gguf", "tiny-Q8_0.gguf"]
+
+
+def test_a_split_gguf_is_fetched_whole_and_loaded_as_one_model(local_hub):
+    got = resolve_model("tiny-org/Tiny-Split-GGUF:Q8_0")
+    assert len(got.files) == 3 and got.path.endswith("-00001-of-00003.gguf")
+    assert sorted(local_hub.fetched("tiny-org/Tiny-Split-GGUF")) == list(got.files)
+    assert answer("tiny-org/Tiny-Split-GGUF:Q8_0") == answer(local_hub.paths["split"])
+
+
+def test_a_transformers_layout_repo_fetches_config_and_safetensors_only(local_hub):
+    got = resolve_model("tiny-org/Tiny-HF")
+    assert sorted(local_hub.fetched("tiny-org/Tiny-HF")) == ["config.json", "generation_config.json",
+                                                            "model.safetensors"]
+    ids = list(range(3, 40))
+    run = lambda m: LLM(m, max_model_len=256, speculative_config=None).generate(  # noqa: E731
+        {"prompt_token_ids": ids}, GREEDY)[0].outputs[0].token_ids
+    assert run("tiny-org/Tiny-HF") == run(local_hub.paths["hf"])
+    assert got.origin == "hub"
+
+
+def test_offline_reads_the_cache_and_opens_no_connection(local_hub, monkeypatch):
+    online = answer("tiny-org/Tiny-GGUF:Q8_0")
+    before = len(local_hub.requests)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert answer("tiny-org/Tiny-GGUF:Q8_0") == online
+    assert answer("tiny-org/Tiny-GGUF:Q8_0", offline=True) == online
+    assert len(local_hub.requests) == before
+    with pytest.raises(HubError, match="not in the Hugging Face cache.*draftwise pull tiny-org/Tiny-HF"):
+        resolve_model("tiny-org/Tiny-HF")
+    assert len(local_hub.requests) == before
+
+
+def test_a_gated_repo_needs_the_token(local_hub):
+    with pytest.raises(HubError, match="gated.*HF_TOKEN"):
+        resolve_model("tiny-org/Gated-GGUF")
+    assert resolve_model("tiny-org/Gated-GGUF", HubOptions(token=GATED_TOKEN)).path.endswith("tiny-Q8_0.gguf")
+
+
+def test_an_unsupported_architecture_is_refused_before_the_download(local_hub):
+    with pytest.raises(HubError, match="'mamba' model.*nothing was downloaded"):
+        resolve_model("tiny-org/Mamba-GGUF")
+    bodies = [(m, r) for m, p, r in local_hub.requests if m == "GET" and "/resolve/" in p]
+    assert bodies and all(r is not None and r.startswith("bytes=0-") for _, r in bodies)   # headers only
+    with pytest.raises(HubError, match="'my_arch' model.*own code.*only config.json"):
+        resolve_model("tiny-org/Custom-Code")
+    assert local_hub.fetched("tiny-org/Custom-Code") == ["config.json"]
+
+
+def test_a_cut_download_resumes_and_a_failed_one_leaves_no_model(local_hub):
+    """The network goes away 10.5 MB into a 12 MB file: the client resumes from the 10 MB it kept
+    (huggingface_hub writes whole 10 MB chunks; `Range: bytes=10485760-`). When every try of a run
+    is cut, the run fails with one line, nothing in the cache looks like the file, and the next run
+    fetches it whole (huggingface_hub 2.x keeps a run's partial file private to that run)."""
+    big = lambda: [r for m, p, r in local_hub.requests if m == "GET" and p.endswith("/big-F32.gguf")]  # noqa: E731
+    local_hub.cut_after["big-F32.gguf"] = (21 << 19, 1)
+    first = resolve_model("tiny-org/Big-GGUF")
+    assert big()[-1] == f"bytes={10 << 20}-", big()
+    with open(first.path, "rb") as a, open(local_hub.paths["big"], "rb") as b:
+        assert a.read() == b.read()
+    shutil.rmtree(local_hub.cache)
+    local_hub.cut_after["big-F32.gguf"] = (21 << 19, 6)     # as many cuts as the client tries in one run
+    with pytest.raises(HubError, match="big-F32.gguf.*run again"):
+        resolve_model("tiny-org/Big-GGUF")
+    assert not any(f.endswith(".gguf") for f in cached_files(local_hub.cache))
+    again = resolve_model("tiny-org/Big-GGUF")
+    with open(again.path, "rb") as a, open(local_hub.paths["big"], "rb") as b:
+        assert a.read() == b.read()
+
+
+def run_cli(*args, env_extra=None, timeout=240):
+    env = {**os.environ, **(env_extra or {})}
+    return subprocess.run([sys.executable, "-m", "draftwise.entrypoints.cli", *args], capture_output=True,
+                          text=True, timeout=timeout, env=env)
+
+
+def test_cli_generate_by_name_equals_by_path_and_pull_lists_the_quants(local_hub):
+    by_name = run_cli("generate", "--model", "tiny-org/Tiny-GGUF:Q8_0", "--max-tokens", "8", "--max-model-len", "256",
+                      "--quiet", "hello")
+    by_path = run_cli("generate", "--model", local_hub.paths["Q8_0"], "--max-tokens", "8", "--max-model-len", "256",
+                      "hello")
+    assert by_name.returncode == 0, by_name.stderr
+    assert by_name.stdout == by_path.stdout
+    assert by_name.stderr.count("\n") == 1 and by_name.stderr.startswith("[start-up")
+    listing = run_cli("pull", "tiny-org/Tiny-GGUF", "--list")
+    assert listing.returncode == 0, listing.stderr
+    for quant in ("Q4_0", "Q4_K_M", "Q8_0"):
+        assert quant in listing.stdout
+    assert "mmproj-tiny-F16.gguf" in listing.stdout          # listed as a file, not as a quant
+
+
+def test_two_processes_pulling_at_once_fetch_the_file_once(local_hub):
+    local_hub.delay_s = 1.0
+    procs = [subprocess.Popen([sys.executable, "-m", "draftwise.entrypoints.cli", "pull", "tiny-org/Tiny-GGUF:Q4_0"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs
+    assert outs[0][0] == outs[1][0] and outs[0][0].strip().endswith("tiny-Q4_0.gguf")
+    assert local_hub.fetched("tiny-org/Tiny-GGUF").count("tiny-Q4_0.gguf") == 1
+
+
+@pytest.mark.parametrize("name, env, pattern", [
+    ("nobody/no-such-model", {}, "no model repository 'nobody/no-such-model'"),
+    ("tiny-org/Gated-GGUF", {}, "gated repository.*HF_TOKEN"),
+    ("tiny-org/Tiny-GGUF:Q3_K_S", {}, "has no Q3_K_S GGUF; the quants it has: Q4_0, Q4_K_M, Q8_0"),
+    ("tiny-org/Tiny-GGUF:Q8_0", {"HF_HUB_OFFLINE": "1"}, "not in the Hugging Face cache.*draftwise pull"),
+    ("tiny-org/Mamba-GGUF", {}, "'mamba' model; draftwise runs"),
+    ("tiny-org/Custom-Code", {}, "own code"),
+    ("tiny-org/Tiny-GGUF", {"HF_ENDPOINT": "http://127.0.0.1:9"}, "cannot reach the Hugging Face Hub"),
+])
+def test_every_failure_is_one_line_and_exit_2(local_hub, name, env, pattern):
+    import re
+    p = run_cli("generate", "--model", name, "hi", env_extra=env, timeout=60)
+    assert p.returncode == 2, (p.returncode, p.stderr)
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("draftwise: error: "), p.stderr
+    assert re.search(pattern, lines[0]), lines[0]
+    assert "Traceback" not in p.stderr
+
+
+def test_a_server_never_downloads_for_a_request(local_hub):
+    """The server answers an unknown model name with 404; a request naming a Hub model is not a
+    download."""
+    from fastapi.testclient import TestClient
+    from draftwise.entrypoints.openai.api_server import build_app
+    llm = LLM("tiny-org/Tiny-GGUF:Q8_0", max_model_len=256)
+    before = len(local_hub.requests)
+    with TestClient(build_app(llm, "tiny-org/Tiny-GGUF:Q8_0")) as client:
+        ok = client.post("/v1/completions", json={"model": "tiny-org/Tiny-GGUF:Q8_0", "prompt": "hi", "max_tokens": 4})
+        other = client.post("/v1/completions", json={"model": "tiny-org/Tiny-GGUF:Q4_0", "prompt": "hi",
+                                                     "max_tokens": 4})
+        assert client.get("/v1/models").json()["data"][0]["id"] == "tiny-org/Tiny-GGUF:Q8_0"
+    assert ok.status_code == 200 and other.status_code == 404
+    assert len(local_hub.requests) == before
+
+
+def test_ollama_models_are_read_in_place(local_hub, tmp_path, monkeypatch):
+    import hashlib
+    import json
+    import shutil
+    store = tmp_path / "ollama"
+    src = local_hub.paths["Q8_0"]
+    digest = hashlib.sha256(open(src, "rb").read()).hexdigest()
+    (store / "blobs").mkdir(parents=True)
+    shutil.copy(src, store / "blobs" / f"sha256-{digest}")
+    manifest = store / "manifests" / "registry.ollama.ai" / "library" / "tiny" / "q8"
+    manifest.parent.mkdir(parents=True)
+    manifest.write_text(json.dumps({"layers": [
+        {"mediaType": "application/vnd.ollama.image.template", "digest": "sha256:00"},
+        {"mediaType": "application/vnd.ollama.image.model", "digest": f"sha256:{digest}"}]}))
+    monkeypatch.setenv("OLLAMA_MODELS", str(store))
+    got = resolve_model("ollama:tiny:q8")
+    assert got.path == str(store / "blobs" / f"sha256-{digest}")
+    assert answer("ollama:tiny:q8") == answer(src)
+    with pytest.raises(ValueError, match="Ollama has not pulled 'tiny:latest'|Ollama has not pulled 'tiny'"):
+        resolve_model("ollama:tiny")
