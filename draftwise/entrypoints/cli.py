@@ -192,7 +192,8 @@ def make_parser() -> argparse.ArgumentParser:
     k = sub.add_parser("cache", help="list or clear what draftwise keeps in its cache folder")
     k.add_argument("action", choices=["list", "clear"], nargs="?", default="list")
     k.add_argument("--what", action="append", default=None,
-                   help="clear only these entries (e.g. packaged, models, step_costs); default: all")
+                   help="clear only these entries (e.g. packaged, models, step_costs, hub:ORG/REPO); default: all "
+                        "of draftwise's own (Hub models only when named)")
     k.set_defaults(func=cmd_cache)
 
     t = sub.add_parser("train", help="generate drafter training data, train drafters")
@@ -210,27 +211,41 @@ def make_parser() -> argparse.ArgumentParser:
 
 
 def cmd_cache(args) -> int:
-    """`draftwise cache`: each entry of the cache folder with its size; `clear` removes them (all,
-    or those named by --what). Compiled kernels live in torch's extension folder, not here."""
+    """`draftwise cache`: each entry of the cache folder with its size, then the Hub models in the
+    Hugging Face cache (shared with transformers, vLLM and llama.cpp) with their size and origin;
+    `clear` removes draftwise's entries (all, or those named by --what) and a Hub model only when
+    named (`--what hub:ORG/REPO`): other tools' models are not ours to delete."""
     import shutil
     from draftwise.config import cache_dir
+    from draftwise.models.hub import endpoint, hub_cache, repo_folder
     root = cache_dir()
 
     def size(path):
         if os.path.isfile(path):
             return os.path.getsize(path)
-        return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
+        return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs
+                   if not os.path.islink(os.path.join(d, f)))
     entries = sorted(os.listdir(root))
+    hub = hub_cache()
+    repos = sorted(e[len("models--"):].replace("--", "/", 1) for e in (os.listdir(hub) if os.path.isdir(hub) else [])
+                   if e.startswith("models--"))
     if args.action == "list":
         print(root)
         for e in entries:
             print(f"  {size(os.path.join(root, e)) / 1e6:10.1f} MB  {e}")
+        print(f"{hub} (the Hugging Face cache; Hub models from {endpoint()})")
+        for r in repos:
+            snaps = os.path.join(repo_folder(r), "snapshots")
+            n = len(os.listdir(snaps)) if os.path.isdir(snaps) else 0
+            print(f"  {size(repo_folder(r)) / 1e6:10.1f} MB  hub:{r}  ({n} revision{'s' if n != 1 else ''})")
         return 0
-    unknown = sorted(set(args.what or []) - set(entries))
+    wanted = args.what or entries
+    unknown = sorted(w for w in wanted if w not in entries and not (w.startswith("hub:") and w[4:] in repos))
     if unknown:
-        raise ValueError(f"the cache holds no {', '.join(unknown)} (it holds: {', '.join(entries) or 'nothing'})")
-    for e in args.what or entries:
-        path = os.path.join(root, e)
+        held = entries + [f"hub:{r}" for r in repos]
+        raise ValueError(f"the cache holds no {', '.join(unknown)} (it holds: {', '.join(held) or 'nothing'})")
+    for e in wanted:
+        path = repo_folder(e[4:]) if e.startswith("hub:") else os.path.join(root, e)
         shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
         print(f"removed {path}")
     return 0

@@ -1,5 +1,13 @@
 """The EAGLE-3 draft model (one decoder layer over [embedding ; target features]) and the loader
-for the published checkpoint format (SafeAILab/EAGLE, SpecForge)."""
+for the layouts it is published in:
+
+- SafeAILab/EAGLE and SpecForge (`yuhuili/*`, `AngelSlim/*`): a Llama config.json with
+  `num_hidden_layers: 1`, `draft_vocab_size`, `target_hidden_size`; tensors `fc`, `midlayer.*`,
+  `norm`, `lm_head`, `d2t`, `t2d` in model.safetensors or pytorch_model.bin;
+- `speculators` (`RedHatAI/*.eagle3`): `speculators_model_type: "eagle3"`, the layer's Llama config
+  under `transformer_layer_config`, the proposal length under `speculators_config`, tensors
+  `layers.0.*` in place of `midlayer.*`, and `norm_before_residual` (default true there): the
+  incoming hidden state is normalised before it becomes the residual."""
 from __future__ import annotations
 
 import os
@@ -15,9 +23,10 @@ from draftwise.models.loader import iter_checkpoint_tensors, read_config_json
 
 
 class Eagle3DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, norm_before_residual: bool = False):
         super().__init__()
         H = cfg.hidden_size
+        self.norm_before_residual = norm_before_residual
         self.hidden_norm = RMSNorm(H, cfg.rms_norm_eps)
         self.input_layernorm = RMSNorm(H, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, layer_idx, input_size=2 * H)
@@ -25,8 +34,9 @@ class Eagle3DecoderLayer(nn.Module):
         self.mlp = MLP(H, cfg.intermediate_size)
 
     def forward(self, embeds, hidden, positions, meta, kv_cache, rotary):
-        residual = hidden
-        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
+        normed = self.hidden_norm(hidden)
+        residual = normed if self.norm_before_residual else hidden
+        x = torch.cat([self.input_layernorm(embeds), normed], dim=-1)
         h = residual + self.self_attn(x, positions, meta, kv_cache, rotary)
         return h + self.mlp(self.post_attention_layernorm(h))
 
@@ -37,13 +47,13 @@ class Eagle3LlamaForCausalLM(nn.Module):
 
     def __init__(self, cfg: ModelConfig, target_hidden_size: int, draft_vocab_size: int,
                  target_vocab_size: int, layer_idx: int = 0, max_position: int = 4096,
-                 num_aux: int = 3):
+                 num_aux: int = 3, norm_before_residual: bool = False):
         super().__init__()
         self.config = cfg
         H = cfg.hidden_size
         self.embed_tokens = nn.Embedding(target_vocab_size, H)
         self.fc = nn.Linear(num_aux * target_hidden_size, H, bias=False)
-        self.midlayer = Eagle3DecoderLayer(cfg, layer_idx)
+        self.midlayer = Eagle3DecoderLayer(cfg, layer_idx, norm_before_residual)
         self.norm = RMSNorm(H, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(H, draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.zeros(draft_vocab_size, dtype=torch.long))
@@ -85,13 +95,45 @@ def eagle3_class(architectures: list[str]):
                      "LlamaForCausalLMEagle3)")
 
 
+def eagle3_config(raw: dict, path: str) -> dict:
+    """A checkpoint's config.json in the SafeAILab form: a `speculators` config is unpacked (its
+    layer's Llama config, with the EAGLE-3 keys beside it and its proposal length as the preset
+    draft length); others are returned as they are."""
+    kind = raw.get("speculators_model_type")
+    if kind is None:
+        return raw
+    if kind != "eagle3":
+        raise ValueError(f"{path} is a speculators {kind!r} drafter; draftwise reads speculators eagle3")
+    layer = raw.get("transformer_layer_config")
+    if not isinstance(layer, dict):
+        raise ValueError(f"{path}: a speculators config needs transformer_layer_config")
+    out = {**layer, "architectures": ["Eagle3LlamaForCausalLM"]}
+    for key in ("draft_vocab_size", "target_hidden_size", "eagle_aux_hidden_state_layer_ids"):
+        if raw.get(key) is not None:
+            out[key] = raw[key]
+    out["norm_before_residual"] = bool(raw.get("norm_before_residual", True))
+    methods = (raw.get("speculators_config") or {}).get("proposal_methods") or []
+    k = methods[0].get("speculative_tokens") if methods and isinstance(methods[0], dict) else None
+    if isinstance(k, int) and k > 0:
+        out["draftwise_speculative_config"] = {"num_speculative_tokens": k, "chain_num_speculative_tokens": k,
+                                               "eagle_topk": 1}
+    return out
+
+
+def eagle3_tensor_name(name: str) -> str:
+    """A published tensor name in the SafeAILab form (`model.` prefixes dropped, speculators'
+    `layers.0.` as `midlayer.`)."""
+    name = name[len("model."):] if name.startswith("model.") else name
+    return "midlayer." + name[len("layers.0."):] if name.startswith("layers.0.") else name
+
+
 def load_eagle3_checkpoint(path: str, target_cfg: ModelConfig, target_embedding: nn.Embedding,
                            dtype: torch.dtype, device, max_position: int):
     """Build an Eagle3 draft model from a published-format directory. Returns (model, raw config)."""
 
     if not path or not os.path.isdir(path):
         raise ValueError(f"EAGLE-3 draft checkpoint {path!r} is not a directory")
-    raw = read_config_json(path)
+    raw = eagle3_config(read_config_json(path), path)
     cls = eagle3_class(raw.get("architectures") or ["LlamaForCausalLM"])
     try:
         raw_for_cfg = dict(raw)
@@ -110,8 +152,7 @@ def load_eagle3_checkpoint(path: str, target_cfg: ModelConfig, target_embedding:
         raise ValueError(f"draft vocabulary ({dcfg.vocab_size}) does not match the target's "
                          f"({target_cfg.vocab_size})")
     draft_vocab = raw.get("draft_vocab_size") or dcfg.vocab_size
-    tensors = dict(iter_checkpoint_tensors(path))
-    tensors = {k[len("model."):] if k.startswith("model.") else k: v for k, v in tensors.items()}
+    tensors = {eagle3_tensor_name(k): v for k, v in iter_checkpoint_tensors(path)}
     required = ["fc.weight", "norm.weight", "lm_head.weight", "midlayer.self_attn.q_proj.weight",
                 "midlayer.hidden_norm.weight"]
     missing = [k for k in required if k not in tensors]
@@ -124,7 +165,8 @@ def load_eagle3_checkpoint(path: str, target_cfg: ModelConfig, target_embedding:
         raise ValueError(f"lm_head.weight has {tensors['lm_head.weight'].shape[0]} rows, config says "
                          f"draft_vocab_size={draft_vocab}")
     with torch.device("cpu"):
-        model = cls(dcfg, target_hidden, draft_vocab, target_cfg.vocab_size, 0, max_position, num_aux)
+        model = cls(dcfg, target_hidden, draft_vocab, target_cfg.vocab_size, 0, max_position, num_aux,
+                    bool(raw.get("norm_before_residual", False)))
     d2t = tensors.pop("d2t", None)
     t2d = tensors.pop("t2d", None)
     if draft_vocab != target_cfg.vocab_size and d2t is None:

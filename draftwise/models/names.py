@@ -62,6 +62,8 @@ def resolve_model(name: str, opts: HubOptions = HubOptions(), role: str = "model
     local = os.path.expanduser(name)
     if os.path.exists(local):
         return _local(name, local)
+    if name.startswith(("/", "./", "../", "~")) or os.sep + os.sep in name:
+        raise ValueError(f"{'drafter' if role == 'drafter' else 'model'} path {name!r} does not exist")
     if name.startswith("ollama:"):
         return ResolvedModel(name, ollama_blob(name[len("ollama:"):]), "ollama")
     packaged = packaged_model(name)

@@ -27,6 +27,8 @@ def hub_files(tmp_path_factory):
                      for k, kind, seed in (("Q4_K_M", "Q4_K", 1), ("Q8_0", "Q8_0", 2), ("Q4_0", "Q4_0", 3)))
     mmproj = gguf(str(d / "mmproj-tiny-F16.gguf"), "Q8_0", 4)
     (d / "README.md").write_text("# tiny\n")
+    (d / "generation_config.json").write_text(json.dumps({"temperature": 0.7, "top_p": 0.8, "top_k": 20,
+                                                          "repetition_penalty": 1.05, "bos_token_id": 511}))
     (d / "split").mkdir()
     first = gguf(str(d / "split" / "tiny-Q8_0.gguf"), "Q8_0", 5, split_max_tensors=8)
     shards = sorted(os.listdir(d / "split"))
@@ -43,7 +45,8 @@ def hub_files(tmp_path_factory):
     (custom / "model.safetensors").write_bytes(b"x" * 64)
     return {
         "tiny-org/Tiny-GGUF": {"tiny-Q4_K_M.gguf": q4km, "tiny-Q8_0.gguf": q8, "tiny-Q4_0.gguf": q40,
-                               "mmproj-tiny-F16.gguf": mmproj, "README.md": str(d / "README.md")},
+                               "mmproj-tiny-F16.gguf": mmproj, "README.md": str(d / "README.md"),
+                               "generation_config.json": str(d / "generation_config.json")},
         "tiny-org/Tiny-Split-GGUF": {s: str(d / "split" / s) for s in shards},
         "tiny-org/Tiny-HF": {f: str(hf / f) for f in ("config.json", "generation_config.json", "model.safetensors",
                                                        "model.onnx", "original/consolidated.pth")},

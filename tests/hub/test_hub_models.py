@@ -30,10 +30,10 @@ def cached_files(cache):
 
 def test_a_quant_tag_fetches_that_file_alone_and_answers_as_the_file_by_path(local_hub):
     by_name = answer("tiny-org/Tiny-GGUF:Q8_0")
-    assert local_hub.fetched("tiny-org/Tiny-GGUF") == ["tiny-Q8_0.gguf"]
-    snap = [f for f in cached_files(local_hub.cache)]
-    assert len(snap) == 1 and snap[0].startswith("models--tiny-org--Tiny-GGUF/snapshots/") and \
-        snap[0].endswith("/tiny-Q8_0.gguf")
+    assert local_hub.fetched("tiny-org/Tiny-GGUF") == ["tiny-Q8_0.gguf", "generation_config.json"]
+    snap = [f.rsplit("/", 1)[1] for f in cached_files(local_hub.cache)
+            if f.startswith("models--tiny-org--Tiny-GGUF/snapshots/")]
+    assert sorted(snap) == ["generation_config.json", "tiny-Q8_0.gguf"]
     assert by_name == answer(local_hub.paths["Q8_0"])
     assert by_name != answer(local_hub.paths["Q4_K_M"])       # the files differ, so the check can fail
 
@@ -44,7 +44,8 @@ def test_no_tag_is_q4_k_m_tags_are_case_insensitive_and_a_file_can_be_named(loca
     named = resolve_model("tiny-org/Tiny-GGUF/tiny-Q8_0.gguf")
     assert named.path.endswith("tiny-Q8_0.gguf") and named.repo == "tiny-org/Tiny-GGUF"
     assert resolve_model("hf.co/tiny-org/Tiny-GGUF:Q8_0").path == named.path
-    assert sorted(local_hub.fetched("tiny-org/Tiny-GGUF")) == ["tiny-Q4_0.gguf", "tiny-Q4_K_M.gguf", "tiny-Q8_0.gguf"]
+    assert sorted(set(local_hub.fetched("tiny-org/Tiny-GGUF"))) == ["generation_config.json", "tiny-Q4_0.gguf",
+                                                                   "tiny-Q4_K_M.gguf", "tiny-Q8_0.gguf"]
 
 
 def test_a_split_gguf_is_fetched_whole_and_loaded_as_one_model(local_hub):
@@ -200,3 +201,28 @@ def test_ollama_models_are_read_in_place(local_hub, tmp_path, monkeypatch):
     assert answer("ollama:tiny:q8") == answer(src)
     with pytest.raises(ValueError, match="Ollama has not pulled 'tiny:latest'|Ollama has not pulled 'tiny'"):
         resolve_model("ollama:tiny")
+
+
+def test_generation_config_sets_the_servers_sampling_defaults(local_hub):
+    from draftwise.entrypoints.openai import protocol as P
+    from draftwise.entrypoints.openai.serving import sampling_kwargs
+    got = resolve_model("tiny-org/Tiny-GGUF:Q8_0")
+    assert got.generation_defaults == {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.05}
+    kw = sampling_kwargs(P.CompletionRequest(prompt="hi"), False, got.generation_defaults)
+    assert (kw["temperature"], kw["top_p"], kw["top_k"], kw["repetition_penalty"]) == (0.7, 0.8, 20, 1.05)
+    own = sampling_kwargs(P.CompletionRequest(prompt="hi", temperature=0, top_k=-1), False, got.generation_defaults)
+    assert (own["temperature"], own["top_k"], own["top_p"]) == (0.0, -1, 0.8)       # the request's own win
+    llm = LLM("tiny-org/Tiny-GGUF:Q8_0", max_model_len=256)
+    assert llm.engine.config.generation_defaults == got.generation_defaults
+
+
+def test_cache_lists_and_clears_hub_models(local_hub):
+    resolve_model("tiny-org/Tiny-GGUF:Q4_0")
+    listed = run_cli("cache", "list")
+    assert listed.returncode == 0, listed.stderr
+    assert "hub:tiny-org/Tiny-GGUF  (1 revision)" in listed.stdout
+    cleared = run_cli("cache", "clear", "--what", "hub:tiny-org/Tiny-GGUF")
+    assert cleared.returncode == 0, cleared.stderr
+    assert not os.path.exists(os.path.join(local_hub.cache, "models--tiny-org--Tiny-GGUF"))
+    missing = run_cli("cache", "clear", "--what", "hub:nobody/none")
+    assert missing.returncode == 2 and "holds no hub:nobody/none" in missing.stderr

@@ -21,6 +21,8 @@ class ModelFrontend:
     max_num_seqs: int
     eos_token_ids: tuple[int, ...]
     _compile: Callable | None = None
+    # sampling defaults from the model's generation_config.json: a request's own values win
+    generation_defaults: dict = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @classmethod
@@ -29,14 +31,14 @@ class ModelFrontend:
         engine thread finds them compiled."""
         info = describe_engine(engine)
         return cls(engine.tokenizer, info["max_model_len"], info["vocab_size"], info["max_num_seqs"],
-                   tuple(info["eos_token_ids"]), engine.compile_grammar)
+                   tuple(info["eos_token_ids"]), engine.compile_grammar, info["generation_defaults"])
 
     @classmethod
     def from_description(cls, info: dict) -> "ModelFrontend":
         tokenizer = load_tokenizer(info.get("tokenizer_path") or info["model_path"])
         set_chat_template(tokenizer, info.get("chat_template"))
         return cls(tokenizer, info["max_model_len"], info["vocab_size"], info["max_num_seqs"],
-                   tuple(info["eos_token_ids"]))
+                   tuple(info["eos_token_ids"]), generation_defaults=info.get("generation_defaults") or {})
 
     def tokenize_prompt(self, prompt) -> tuple[str | None, list[int]]:
         return tokenize_prompt(self.tokenizer, prompt)
@@ -60,4 +62,5 @@ def describe_engine(engine) -> dict:
     return {"model_path": engine.worker.model_path, "tokenizer_path": engine.config.tokenizer,
             "max_model_len": engine.config.max_model_len,
             "vocab_size": engine.worker.model_cfg.vocab_size, "max_num_seqs": engine.config.max_num_seqs,
-            "eos_token_ids": list(engine.eos_token_ids), "chat_template": engine.config.chat_template}
+            "eos_token_ids": list(engine.eos_token_ids), "chat_template": engine.config.chat_template,
+            "generation_defaults": dict(engine.config.generation_defaults)}

@@ -78,7 +78,7 @@ class Generation:
             except ValueError as e:
                 raise APIError(str(e), param="best_of", code="invalid_value") from None
             messages, prompt = None, body.single_prompt()
-        sampling = sampling_kwargs(body, chat)
+        sampling = sampling_kwargs(body, chat, state.frontend.generation_defaults)
         text, ids, default_max = await asyncio.to_thread(
             state.preparer, prompt, messages, sampling, None if chat else COMPLETION_DEFAULT_MAX_TOKENS)
         echo = None

@@ -434,8 +434,10 @@ def _put_all(batch) -> None:
 # ---------------------------------------------------------------------------------------------------
 # request -> submission
 # ---------------------------------------------------------------------------------------------------
-def sampling_kwargs(req: P.SamplingRequest, chat: bool) -> dict:
-    """SamplingParams kwargs (max_tokens may be None: filled in against the prompt length)."""
+def sampling_kwargs(req: P.SamplingRequest, chat: bool, defaults: dict | None = None) -> dict:
+    """SamplingParams kwargs (max_tokens may be None: filled in against the prompt length). The
+    model's generation_config.json defaults (`defaults`) fill the sampling fields the request left
+    out, as vLLM's server does; a request's own values win."""
     max_tokens = req.max_tokens
     if chat and max_tokens is None:
         max_tokens = req.max_completion_tokens
@@ -449,6 +451,9 @@ def sampling_kwargs(req: P.SamplingRequest, chat: bool) -> dict:
           if req.logit_bias else None,
           "min_tokens": req.min_tokens, "bad_words": req.bad_words, "allowed_token_ids": req.allowed_token_ids,
           "logprobs": req.num_logprobs() if chat else req.logprobs}
+    for key, value in (defaults or {}).items():
+        if key in kw and key not in req.model_fields_set:
+            kw[key] = value
     spec = None
     try:
         spec = req.structured_output_spec()
