@@ -80,12 +80,62 @@ def load_code_edits(n: int | None) -> list[list[str]]:
     return convs[:n] if n else convs
 
 
+LIBRARY_EDITS = 10                   # conversations in a library-edits set
+LIBRARY_LINES = (15, 40)             # the function sizes it takes
+
+
+def load_library_edits(module: str, n: int | None = None) -> list[list[str]]:
+    """Two-turn code edits of real functions: the first `n` (default 10) top-level functions and
+    methods of 15-40 lines in an installed module's own source files (`library-edits:json` reads
+    Python's json package), in file and line order: edit the function (make every error message
+    name the offending value), then add type hints. Nothing is shipped: the source is read where
+    the library is installed, so the set follows that library's version."""
+    import ast
+    spec = importlib.util.find_spec(module)
+    if spec is None or not (spec.origin or spec.submodule_search_locations):
+        raise ValueError(f"library-edits: no installed module {module!r}")
+    roots = list(spec.submodule_search_locations or [])
+    files = sorted(os.path.join(d, f) for r in roots for d, _, fs in os.walk(r) for f in fs if f.endswith(".py")) \
+        if roots else [spec.origin]
+    want, convs = n or LIBRARY_EDITS, []
+    for path in files:
+        try:
+            with open(path, encoding="utf-8") as f:
+                source = f.read()
+            tree = ast.parse(source)
+        except (OSError, SyntaxError, UnicodeDecodeError):
+            continue
+        lines = source.splitlines()
+        nodes = [x for x in ast.walk(tree) if isinstance(x, (ast.FunctionDef, ast.AsyncFunctionDef))]
+        for node in sorted(nodes, key=lambda x: x.lineno):
+            first = min([node.lineno] + [d.lineno for d in node.decorator_list])
+            size = node.end_lineno - first + 1
+            if not LIBRARY_LINES[0] <= size <= LIBRARY_LINES[1]:
+                continue
+            body = "\n".join(lines[first - 1:node.end_lineno])
+            indent = len(body) - len(body.lstrip(" "))
+            code = "\n".join(line[indent:] for line in body.splitlines())
+            where = os.path.relpath(path, os.path.dirname(roots[0]) if roots else os.path.dirname(path))
+            convs.append([f"Here is `{node.name}` from `{where}`:\n```python\n{code}\n```\nChange it so that every "
+                          "error it raises names the offending value, and show the complete function.",
+                          "Now add type hints to its signature and show the complete function again."])
+            if len(convs) == want:
+                return convs
+    if not convs:
+        raise ValueError(f"library-edits: {module!r} has no function of {LIBRARY_LINES[0]}-{LIBRARY_LINES[1]} lines")
+    return convs
+
+
 def load_prompts(dataset: str, n: int | None) -> list[list[str]]:
-    """`dataset`: a question.jsonl path (MT-bench / Spec-Bench), 'sharegpt' (held-out first turns),
-    'humaneval', 'code-edits' (built-in multi-turn code edits: a repetitive workload) or
-    'json-schema' (built-in: each answer constrained by its own JSON schema)."""
+    """`dataset`: a JSONL path of `{"turns": [...]}` conversations (MT-bench / Spec-Bench's
+    question.jsonl is one), 'sharegpt' (held-out first turns), 'humaneval', 'code-edits' (built-in
+    multi-turn code edits: a repetitive workload), 'library-edits:MODULE' (edits of real functions
+    from an installed library's source) or 'json-schema' (built-in: each answer constrained by its
+    own JSON schema)."""
     if dataset == "code-edits":
         return load_code_edits(n)
+    if dataset.startswith("library-edits:"):
+        return load_library_edits(dataset.split(":", 1)[1], n)
     if dataset == "json-schema":
         return load_json_schema_prompts(n)
     if dataset == "sharegpt":

@@ -19,6 +19,8 @@ from draftwise.models.loader import DEFAULT_MODEL
 from draftwise import LLM, SamplingParams
 from draftwise.bench.bandwidth import measure_around
 from draftwise.bench.datasets import load_prompts
+from draftwise.bench.llama_server import METHODS as SERVER_METHODS
+from draftwise.bench.llama_server import LlamaServerPeer, acceptance, is_server_method, server_mode
 from draftwise.bench.peers import PeerCrashed, make_peer
 from draftwise.engine_args import resolve_quantization
 from draftwise.kernels import isa
@@ -51,7 +53,7 @@ PRESETS = {
     "draft-model-tree": {"method": "draft_model", "num_speculative_tokens": 8, "eagle_topk": 2, "eagle_depth": 5},
     "draft-model-suffix": {"method": "draft_model", "num_speculative_tokens": 4, "hybrid": "suffix"},
 }
-PEERS = ("hf", "hf-pld", "llamacpp", "llamacpp-pld", "openvino", "openvino-pld")
+PEERS = ("hf", "hf-pld", "llamacpp", "llamacpp-pld", "openvino", "openvino-pld", *SERVER_METHODS)
 
 
 def add_bench_args(p) -> None:
@@ -94,6 +96,14 @@ def add_bench_args(p) -> None:
     p.add_argument("--peer-python", default=None,
                    help="NAME=PATH[,NAME=PATH]: the Python of the environment that has a peer (llamacpp, openvino), "
                         "e.g. openvino=~/ov-env/bin/python (default: this interpreter)")
+    p.add_argument("--llama-server", default=None,
+                   help="the llamacpp-server* methods: a llama-server binary (`draftwise bench build-peer --server`)")
+    p.add_argument("--server-drafter", default=None,
+                   help="llamacpp-server:eagle3 / :dflash: the drafter as a GGUF file llama.cpp reads")
+    p.add_argument("--spec-draft-n-max", default="4,8",
+                   help="llamacpp-server:draft: its draft lengths, each run in turn, the faster reported (default: 4,8)")
+    p.add_argument("--spec-draft-p-min", type=float, default=0.5,
+                   help="llamacpp-server:draft: its minimum draft probability (default: 0.5)")
     p.add_argument("--openvino-model", default=None,
                    help="the openvino / openvino-pld peers: an OpenVINO model exported from the same weights "
                         "(python -m draftwise.bench.openvino_export); default: the model's GGUF file")
@@ -280,16 +290,41 @@ def peer_pythons(args) -> dict:
     return out
 
 
-def run_peer_method(name, args, convs, bar=None, max_num_seqs: int = 1) -> dict:
+def _server_peer(name, args, n_max: int | None):
+    mode = server_mode(name)
+    drafter = args.draft_model if mode == "draft" else getattr(args, "server_drafter", None)
+    return LlamaServerPeer(getattr(args, "llama_server", None), args.model, mode,
+                           getattr(args, "threads", None) or torch.get_num_threads(), args.max_model_len,
+                           args.max_tokens, getattr(args, "ignore_eos", False), drafter, n_max,
+                           getattr(args, "spec_draft_p_min", None) if mode == "draft" else None)
+
+
+def run_server_method(name, args, convs, bar=None) -> dict:
+    """A llama-server row; `:draft` runs once per --spec-draft-n-max and reports the faster run
+    (each run's tokens/s kept in `server_n_max_tokens_per_s`)."""
+    if server_mode(name) != "draft":
+        return run_peer_method(name, args, convs, bar)
+    lengths = [int(x) for x in str(getattr(args, "spec_draft_n_max", "4") or "4").split(",") if x.strip()]
+    runs = {n: run_peer_method(name, args, convs, bar, n_max=n) for n in lengths}
+    best = max(runs.values(), key=lambda r: r.get("tokens_per_s") or 0.0)
+    ok = {n: r["tokens_per_s"] for n, r in runs.items() if not r.get("error")}
+    return {**best, "server_n_max_tokens_per_s": ok,
+            "server_n_max": next((n for n, r in runs.items() if r is best), None)}
+
+
+def run_peer_method(name, args, convs, bar=None, max_num_seqs: int = 1, n_max: int | None = None) -> dict:
     """A peer's row. A peer that cannot load, or whose process crashes, gives a row with its error
     (and no speed); the other rows of the run are unaffected."""
     res = {"method": name, "spec": name, "output_tokens": 0, "time_s": 0.0, "tokens_per_s": 0.0,
            "mean_acceptance_length": None, "acceptance_per_position": [], "outputs": [[] for _ in convs],
            "ttft_mean_s": None, "decode_tokens_per_s": None}
     try:
-        peer = make_peer(name, args.model, args.max_tokens, getattr(args, "openvino_model", None),
-                         peer_pythons(args), max_num_seqs, getattr(args, "ignore_eos", False))
-    except (ImportError, ValueError, RuntimeError) as e:
+        if is_server_method(name):
+            peer = _server_peer(name, args, n_max)
+        else:
+            peer = make_peer(name, args.model, args.max_tokens, getattr(args, "openvino_model", None),
+                             peer_pythons(args), max_num_seqs, getattr(args, "ignore_eos", False))
+    except (ImportError, ValueError, RuntimeError, OSError) as e:
         return {**res, "error": f"could not run: {e}"}
     n_tokens, gen_time = 0, 0.0
     timing = PhaseTimes()
@@ -319,6 +354,9 @@ def run_peer_method(name, args, convs, bar=None, max_num_seqs: int = 1) -> dict:
                 "outputs": outputs, **timing.summary()})
     if hasattr(peer, "weights"):
         res["quantization"] = peer.weights
+    if hasattr(peer, "stats"):                     # llama-server: its own drafted / accepted counts
+        res.update(acceptance(peer.stats))
+        res["server_command"] = peer.command
     return res
 
 
@@ -348,7 +386,9 @@ def run_bench(args) -> list[dict]:
         for j in (range(len(methods)) if rnd % 2 == 0 else reversed(range(len(methods)))):
             name, spec, quant = methods[j]
             bar.set_postfix(method=name, round=rnd + 1)
-            if spec in PEERS:
+            if is_server_method(name):
+                done[j] = run_server_method(name, args, convs, bar)
+            elif spec in PEERS:
                 done[j] = run_peer_method(name, args, convs, bar)
             else:
                 done[j] = run_engine_method(name, spec, args, convs, bar, quantization=quant)
@@ -398,6 +438,12 @@ def combine_rounds(per_round: list[list[dict]]) -> list[dict]:
         r["greedy_match"] = sum(a == b for a, b in pairs) / len(pairs) if pairs else None
         if r.get("error"):
             r["greedy_match"] = None
+    plain_server = next((r for r in results if r["method"] == SERVER_METHODS[0] and not r.get("error")), None)
+    for r in results:
+        # llama-server's speculation is not guaranteed to reproduce its own plain text: say whether it did
+        if plain_server is not None and is_server_method(r["method"]) and r is not plain_server and not r.get("error"):
+            pairs = [(a, b) for ca, cb in zip(plain_server["outputs"], r["outputs"]) for a, b in zip(ca, cb)]
+            r["matches_server_plain"] = sum(a == b for a, b in pairs) / len(pairs) if pairs else None
     return results
 
 
@@ -430,8 +476,14 @@ def to_markdown(results: list[dict], args) -> str:
             continue
         mal = f"{r['mean_acceptance_length']:.2f}" if r.get("mean_acceptance_length") else "–"
         pp = " ".join(f"{a:.2f}" for a in r.get("acceptance_per_position", [])) or "–"
+        if r.get("server_draft_n"):                # llama-server counts drafted and accepted tokens only
+            pp = f"{r['server_draft_n_accepted']:,} of {r['server_draft_n']:,} drafted accepted"
+            if r.get("server_n_max") is not None:
+                pp += f" (n-max {r['server_n_max']})"
         gm = r.get("greedy_match")
         gms = "–" if gm is None else ("yes" if gm == 1.0 else f"{gm:.0%}")
+        if r.get("matches_server_plain") is not None:
+            gms += f"; its own plain: {r['matches_server_plain']:.0%}"
         same = r.get("speedup_vs_same_weights_ar") or 0
         dec = r.get("decode_tokens_per_s")
         ttft = r.get("ttft_mean_s")

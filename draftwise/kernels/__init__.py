@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import sys
 import threading
 
 import torch
@@ -117,16 +118,32 @@ def load():
 
 def _build(source: str):
     from torch.utils.cpp_extension import _get_build_directory, load as build
-    logger.info("building the %s CPU kernels (first run only)", source)
     name = "draftwise_cpu_" + source.split(".")[0]
     directory = _get_build_directory(name, verbose=False)     # torch's folder (TORCH_EXTENSIONS_DIR honoured)
     # torch rebuilds an extension when its listed source changes, not its headers: a digest of every
     # file here in the flags makes any change (an upgrade) rebuild instead of loading a stale library
+    digest = _sources_digest(_CPU_DIR)
     with build_lock(directory):
-        return build(name=name, sources=[os.path.join(_CPU_DIR, source)], extra_include_paths=[_CPU_DIR],
-                     extra_cflags=["-O3", "-fopenmp", f"-DDRAFTWISE_SOURCES={_sources_digest(_CPU_DIR)}",
-                                   *_CFLAGS.get(source, [])],
-                     extra_ldflags=["-fopenmp"], build_directory=directory, verbose=False)
+        stamp = os.path.join(directory, "draftwise.built")
+        fresh = not (os.path.exists(os.path.join(directory, name + ".so")) and _read(stamp) == digest)
+        if fresh:                      # one line while the compiler runs, so a first start is not silence
+            print(f"draftwise: building the {source.split('.')[0]} CPU kernels for this machine (once after "
+                  "an install or upgrade; about a minute on 2 cores) ...", file=sys.stderr, flush=True)
+        mod = build(name=name, sources=[os.path.join(_CPU_DIR, source)], extra_include_paths=[_CPU_DIR],
+                    extra_cflags=["-O3", "-fopenmp", f"-DDRAFTWISE_SOURCES={digest}", *_CFLAGS.get(source, [])],
+                    extra_ldflags=["-fopenmp"], build_directory=directory, verbose=False)
+        if fresh:
+            with open(stamp, "w") as f:
+                f.write(digest)
+        return mod
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return None
 
 
 TORCH_BUILD_LOCK = "lock"       # torch.utils.cpp_extension's lock file in a build directory

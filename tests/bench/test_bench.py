@@ -212,3 +212,21 @@ def test_rounds_report_medians_and_the_median_ratio_of_each_round():
     assert auto["speedup_vs_ar"] == 1.5                # ratios 1.5, 1.2, 1.5: their median
     assert auto["greedy_match"] == 1.0 and auto["greedy_reference"] == "ar"
     assert ar["same_outputs_every_round"] and not auto["same_outputs_every_round"]
+
+
+def test_library_edits_are_real_functions_of_15_to_40_lines():
+    import json as json_module
+    import pytest
+    from draftwise.bench.datasets import load_prompts
+    convs = load_prompts("library-edits:json", None)
+    assert len(convs) == 10 and all(len(c) == 2 for c in convs)
+    for c in convs:
+        code = c[0].split("```python\n", 1)[1].split("\n```", 1)[0]
+        assert 15 <= len(code.splitlines()) <= 40
+        name = c[0].split("`")[1]
+        assert f"def {name}(" in code
+    src = open(json_module.__file__).read()
+    assert convs[0][0].split("```python\n", 1)[1].split("\n```", 1)[0].splitlines()[0] in src
+    assert len(load_prompts("library-edits:json", 3)) == 3
+    with pytest.raises(ValueError, match="no installed module"):
+        load_prompts("library-edits:no_such_module_here", None)
