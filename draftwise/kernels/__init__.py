@@ -31,7 +31,10 @@ _lock = threading.Lock()
 _state: dict = {}
 
 ISAS = ("amx", "avx512", "avx2", "none")           # best first
+# each ISA's module: its kernels and its Python bindings, two translation units compiled in parallel
+# (the bindings alone include the Python and libtorch headers)
 _SOURCES = {"amx": "avx512.cpp", "avx512": "avx512.cpp", "avx2": "avx2.cpp"}
+_BINDINGS = {"avx512.cpp": "avx512_bind.cpp", "avx2.cpp": "avx2_bind.cpp"}
 _CFLAGS = {"avx2.cpp": ["-mavx2", "-mfma", "-mf16c"]}   # the AVX-512 file marks its functions itself
 _CPU_DIR = os.path.join(os.path.dirname(__file__), "cpu")   # the kernel sources
 _AVX512 = {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "avx512_vnni"}
@@ -129,7 +132,8 @@ def _build(source: str):
         if fresh:                      # one line while the compiler runs, so a first start is not silence
             print(f"draftwise: building the {source.split('.')[0]} CPU kernels for this machine (once after "
                   "an install or upgrade; about a minute on 2 cores) ...", file=sys.stderr, flush=True)
-        mod = build(name=name, sources=[os.path.join(_CPU_DIR, source)], extra_include_paths=[_CPU_DIR],
+        mod = build(name=name, sources=[os.path.join(_CPU_DIR, f) for f in (source, _BINDINGS[source])],
+                    extra_include_paths=[_CPU_DIR],
                     extra_cflags=["-O3", "-fopenmp", f"-DDRAFTWISE_SOURCES={digest}", *_CFLAGS.get(source, [])],
                     extra_ldflags=["-fopenmp"], build_directory=directory, verbose=False)
         if fresh:

@@ -458,12 +458,11 @@ inline int64_t argmax_row(const float* x, int64_t n) {
 
 bool amx_available() { return false; }
 
-inline torch::Tensor affine_linear(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scale,
-                                   const torch::Tensor& minimum, int64_t group, int64_t offset, int64_t high_bits) {
+torch::Tensor affine_linear(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scale,
+                            const torch::Tensor& minimum, int64_t group, int64_t offset, int64_t high_bits) {
   return affine_linear_avx2(x, codes, scale, minimum, group, offset, high_bits);   // avx2_q8act.h
 }
 
 }  // namespace draftwise
 
-#define KERNEL_ISA "avx2"
 #include "layer.h"

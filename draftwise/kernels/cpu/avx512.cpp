@@ -300,7 +300,7 @@ torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& q8, const
 torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& nibbles, const torch::Tensor& sm,
                           bool use_amx) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16 && x.is_contiguous(), "x: contiguous bf16 [M, K]");
-  TORCH_CHECK(nibbles.dim() == 3 && nibbles.size(2) == NB && nibbles.scalar_type() == torch::kUInt8, "nibbles layout");
+  TORCH_CHECK(nibbles.dim() == 3 && nibbles.size(2) == NB && nibbles.scalar_type() == torch::kByte, "nibbles layout");
   const int M = x.size(0), K = x.size(1);
   const int blocks = nibbles.size(0), N = blocks * NB;
   TORCH_CHECK(nibbles.size(1) * 2 == K && K % GROUP == 0, "K mismatch");
@@ -845,5 +845,4 @@ bool amx_available() { return amx_permitted(); }
 
 }  // namespace draftwise
 
-#define KERNEL_ISA "avx512"
 #include "layer.h"

@@ -214,8 +214,8 @@ void column_blocks(const q8act::Activations& act, const uint8_t* codes, const S&
 }  // namespace q8act512
 
 // y [M, N] fp32 = x [M, K] bf16 . W^T for a group-affine weight in a dot layout (q8act.h)
-inline torch::Tensor affine_linear(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scale,
-                                   const torch::Tensor& minimum, int64_t group, int64_t offset, int64_t high_bits) {
+torch::Tensor affine_linear(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scale,
+                            const torch::Tensor& minimum, int64_t group, int64_t offset, int64_t high_bits) {
   const uint8_t* cp = static_cast<const uint8_t*>(codes.data_ptr());
   return q8act::dot_linear(x, codes, scale, minimum, group, offset, high_bits, q8act::HIGH_BITS_MASKS, 128,
                            [&](const auto& sc, int bits, const q8act::Activations& acts, torch::Tensor& y) {

@@ -9,7 +9,6 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <torch/python.h>
 #include <immintrin.h>
 #include <algorithm>
 #include <atomic>
@@ -20,6 +19,10 @@
 #include <memory>
 #include <utility>
 #include <vector>
+
+// torch::Tensor, torch::kFloat, ... as torch/types.h spells them, without the Python and libtorch
+// headers: the kernels' translation units include ATen alone, the bindings (bindings.h) the rest
+namespace torch { using namespace at; }
 
 namespace draftwise {
 
@@ -97,7 +100,7 @@ struct Aligned {
 
 inline void check_int4(const torch::Tensor& x, const torch::Tensor& nibbles, const torch::Tensor& sm) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16 && x.is_contiguous(), "x: contiguous bf16 [M, K]");
-  TORCH_CHECK(nibbles.dim() == 3 && nibbles.size(2) == NB && nibbles.scalar_type() == torch::kUInt8, "nibbles layout");
+  TORCH_CHECK(nibbles.dim() == 3 && nibbles.size(2) == NB && nibbles.scalar_type() == torch::kByte, "nibbles layout");
   TORCH_CHECK(nibbles.size(1) * 2 == x.size(1) && x.size(1) % GROUP == 0, "K mismatch");
   TORCH_CHECK(sm.scalar_type() == torch::kHalf && sm.is_contiguous(), "sm: contiguous fp16");
 }

@@ -1,5 +1,6 @@
-// A decoder layer's elementwise work fused around its linears (any kernel form: `Linear`), the whole
-// layer stack of a row-by-row step in one call, and the Python module - the same for every ISA.
+// A decoder layer's elementwise work fused around its linears (any kernel form: `Linear`) and the whole
+// layer stack of a row-by-row step in one call - the same for every ISA. The Python module that
+// exposes them is compiled apart (bindings.h), against the declarations in kernels.h.
 //
 // One call does what ~25 eager PyTorch ops per layer did (RMSNorm, the bf16 cast, RoPE, SiLU-and-mul,
 // the residual adds). Every row is computed alone, in a fixed order, so a row's values do not depend
@@ -19,44 +20,29 @@
 //   bool amx_available();  and the macro KERNEL_ISA (the ISA's name)
 #pragma once
 
-#include "suffix.h"
+#include "kernels.h"
 
 #include <ATen/record_function.h>
 
 namespace draftwise {
 
-// A layer linear in the kernels' forms: its row parts (one, or several where a fused projection
-// mixes block kinds), each int4 (GGUF Q4_1 blocks: nibbles and their fp16 scale table) or
-// group-affine (every GGUF family), their outputs joined, then an optional fp32 bias added (the
-// eager path's order: the kernel's fp32 output, then + bias).
-struct Linear {
-  struct Part {
-    bool int4;
-    torch::Tensor codes, scale, minimum;
-    int64_t group, offset, high_bits;
-  };
-  std::vector<Part> parts;
-  torch::Tensor bias;                  // fp32 [N], or empty
-  bool use_amx = false;
-
-  torch::Tensor operator()(const torch::Tensor& x) const {
-    std::vector<torch::Tensor> ys;
-    for (const Part& p : parts)
-      ys.push_back(p.int4 ? int4_linear(x, p.codes, p.scale, use_amx)
-                          : affine_linear(x, p.codes, p.scale, p.minimum, p.group, p.offset, p.high_bits));
-    torch::Tensor y = ys.size() == 1 ? ys[0] : at::cat(ys, 1);
-    if (bias.numel()) {
-      const int64_t M = y.size(0), N = y.size(1);
-      TORCH_CHECK(bias.numel() == N && bias.scalar_type() == torch::kFloat && bias.is_contiguous(), "bias: fp32 [N]");
-      float* yp = y.data_ptr<float>();
-      const float* bp = bias.data_ptr<float>();
-      for_rows(M, [&](int64_t r) {
-        for (int64_t i = 0; i < N; ++i) yp[r * N + i] = yp[r * N + i] + bp[i];
-      });
-    }
-    return y;
+torch::Tensor Linear::operator()(const torch::Tensor& x) const {
+  std::vector<torch::Tensor> ys;
+  for (const Part& p : parts)
+    ys.push_back(p.int4 ? int4_linear(x, p.codes, p.scale, use_amx)
+                        : affine_linear(x, p.codes, p.scale, p.minimum, p.group, p.offset, p.high_bits));
+  torch::Tensor y = ys.size() == 1 ? ys[0] : at::cat(ys, 1);
+  if (bias.numel()) {
+    const int64_t M = y.size(0), N = y.size(1);
+    TORCH_CHECK(bias.numel() == N && bias.scalar_type() == torch::kFloat && bias.is_contiguous(), "bias: fp32 [N]");
+    float* yp = y.data_ptr<float>();
+    const float* bp = bias.data_ptr<float>();
+    for_rows(M, [&](int64_t r) {
+      for (int64_t i = 0; i < N; ++i) yp[r * N + i] = yp[r * N + i] + bp[i];
+    });
   }
-};
+  return y;
+}
 
 inline void rms_norm_rows_bf16(const float* x, const float* w, int M, int H, float eps, uint16_t* out) {
   for_rows(M, [&](int64_t r) { rms_norm_row_bf16(x, w, static_cast<int>(r), H, eps, out); });
@@ -69,14 +55,6 @@ inline void rms_norm_fp32(float* x, const float* w, int n, float eps) {
   const float inv = 1.0f / std::sqrt(ss / static_cast<float>(n) + eps);
   for (int i = 0; i < n; ++i) x[i] = w[i] * (x[i] * inv);
 }
-
-// the optional parts of a layer beyond Llama's: q/k norms (Qwen3, Gemma 3), a norm on the attention
-// output and on the MLP output before their residual adds, GELU instead of SiLU (Gemma 3); an empty
-// tensor is a part the layer does not have
-struct LayerExtras {
-  torch::Tensor q_norm, k_norm, post_attn_norm, post_ffn_norm;
-  bool gelu = false;
-};
 
 // neox-layout rotary embedding of `nh` heads of one row in place: x[i] * cos[i] + rot(x)[i] * sin[i]
 inline void rope_row(float* x, int nh, int D, const float* cos, const float* sin) {
@@ -114,7 +92,7 @@ inline void write_cache_rows(const float* src, int M, int64_t width, const int64
 // The attention block's input side: h = RMSNorm(x) -> bf16 -> q|k|v = the qkv linear -> RoPE on q and k,
 // then k and v written to their cache slots. x [M, H] fp32; cos / sin [M, D] (the rows' positions);
 // slots [M] int64; caches [S, nkv, D] (fp32 / bf16 / fp16). Returns q [M, nq*D] fp32.
-inline torch::Tensor attn_in(const torch::Tensor& x, const torch::Tensor& norm_w, double eps, const Linear& qkv_proj,
+torch::Tensor attn_in(const torch::Tensor& x, const torch::Tensor& norm_w, double eps, const Linear& qkv_proj,
                              const torch::Tensor& cos, const torch::Tensor& sin, int64_t nq, int64_t nkv, int64_t D,
                              const torch::Tensor& slots, torch::Tensor k_cache, torch::Tensor v_cache,
                              const LayerExtras& ex) {
@@ -156,7 +134,7 @@ inline torch::Tensor attn_in(const torch::Tensor& x, const torch::Tensor& norm_w
 
 // The rest of the layer: x1 = x + o_proj(attn); h = RMSNorm(x1); x2 = x1 + down(silu(gate) * up)
 // (Gemma 3: x1 = x + norm(o_proj(attn)), GELU, x2 = x1 + norm(down(...))).
-inline torch::Tensor attn_out_mlp(const torch::Tensor& x, const torch::Tensor& attn, const Linear& o_proj,
+torch::Tensor attn_out_mlp(const torch::Tensor& x, const torch::Tensor& attn, const Linear& o_proj,
                                   const torch::Tensor& norm_w, double eps, const Linear& gate_up_proj,
                                   const Linear& down_proj, const LayerExtras& ex) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous(), "x: contiguous fp32 [M, H]");
@@ -205,57 +183,38 @@ inline torch::Tensor attn_out_mlp(const torch::Tensor& x, const torch::Tensor& a
 // attn_in -> attend_rows -> attn_out_mlp; doing that loop here instead of in Python saves ~40 us of
 // interpreter and dispatch per layer (over a millisecond per step of a 30-layer model, ~15 % of a
 // plain decode step). The same calls in the same order: the numbers are those of the per-layer path.
-// A row plan's kernel arguments (kernels/__init__.py:row_plan_args)
-struct RowPlan {
-  std::vector<int64_t> rows, lens, slot_lists;
-  std::vector<torch::Tensor> slot_tensors;
-};
-
-struct FusedStack {
-  std::vector<Linear> qkv, o, gate_up, down;
-  std::vector<torch::Tensor> in_norm, post_norm, k_caches, v_caches;
-  std::vector<LayerExtras> extras;
-  std::vector<bool> local;              // sliding-window layers: their own RoPE rows and row plan
-  double eps;
-  int64_t nq, nkv, D;
-  double scale;
-
-  // x [T, H] fp32 -> (x after the last layer, then x before each layer in `capture`, in order);
-  // cos / sin and `plan` serve the global layers, cos_local / sin_local and `local_plan` the
-  // sliding-window ones
-  std::vector<torch::Tensor> run(torch::Tensor x, const torch::Tensor& cos, const torch::Tensor& sin,
-                                 const torch::Tensor& cos_local, const torch::Tensor& sin_local,
-                                 const torch::Tensor& slots, const RowPlan& plan, const RowPlan& local_plan,
-                                 const std::vector<int64_t>& capture) {
-    std::vector<torch::Tensor> out(1);
-    const int64_t T = x.size(0);
-    size_t c = 0;
-    for (size_t l = 0; l < qkv.size(); ++l) {
-      if (c < capture.size() && capture[c] == static_cast<int64_t>(l)) { out.push_back(x); ++c; }
-      torch::Tensor q, a;
-      {
-        RECORD_FUNCTION("draftwise::attn_in", std::vector<c10::IValue>());
-        q = attn_in(x, in_norm[l], eps, qkv[l], local[l] ? cos_local : cos, local[l] ? sin_local : sin, nq, nkv, D,
-                    slots, k_caches[l], v_caches[l], extras[l]);
-      }
-      {
-        RECORD_FUNCTION("draftwise::attend_rows", std::vector<c10::IValue>());
-        a = at::empty({T, nq, D}, x.options());
-        const RowPlan& p = local[l] ? local_plan : plan;
-        attend_rows(q.view({T, nq, D}), k_caches[l], v_caches[l], a, p.rows, p.lens, p.slot_lists, p.slot_tensors,
-                    scale);
-      }
-      RECORD_FUNCTION("draftwise::attn_out_mlp", std::vector<c10::IValue>());
-      x = attn_out_mlp(x, a.view({T, nq * D}), o[l], post_norm[l], eps, gate_up[l], down[l], extras[l]);
+std::vector<torch::Tensor> FusedStack::run(torch::Tensor x, const torch::Tensor& cos, const torch::Tensor& sin,
+                                           const torch::Tensor& cos_local, const torch::Tensor& sin_local,
+                                           const torch::Tensor& slots, const RowPlan& plan, const RowPlan& local_plan,
+                                           const std::vector<int64_t>& capture) {
+  std::vector<torch::Tensor> out(1);
+  const int64_t T = x.size(0);
+  size_t c = 0;
+  for (size_t l = 0; l < qkv.size(); ++l) {
+    if (c < capture.size() && capture[c] == static_cast<int64_t>(l)) { out.push_back(x); ++c; }
+    torch::Tensor q, a;
+    {
+      RECORD_FUNCTION("draftwise::attn_in", std::vector<c10::IValue>());
+      q = attn_in(x, in_norm[l], eps, qkv[l], local[l] ? cos_local : cos, local[l] ? sin_local : sin, nq, nkv, D,
+                  slots, k_caches[l], v_caches[l], extras[l]);
     }
-    out[0] = x;
-    return out;
+    {
+      RECORD_FUNCTION("draftwise::attend_rows", std::vector<c10::IValue>());
+      a = at::empty({T, nq, D}, x.options());
+      const RowPlan& p = local[l] ? local_plan : plan;
+      attend_rows(q.view({T, nq, D}), k_caches[l], v_caches[l], a, p.rows, p.lens, p.slot_lists, p.slot_tensors,
+                  scale);
+    }
+    RECORD_FUNCTION("draftwise::attn_out_mlp", std::vector<c10::IValue>());
+    x = attn_out_mlp(x, a.view({T, nq * D}), o[l], post_norm[l], eps, gate_up[l], down[l], extras[l]);
   }
-};
+  out[0] = x;
+  return out;
+}
 
 // logits [M, V] fp32 -> int64 [M]: each row's argmax (first index of the maximum, as torch.argmax),
 // rows in parallel chunks
-inline torch::Tensor row_argmax(const torch::Tensor& logits) {
+torch::Tensor row_argmax(const torch::Tensor& logits) {
   TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == torch::kFloat && logits.is_contiguous(),
               "logits: contiguous fp32 [M, V]");
   const int64_t M = logits.size(0), V = logits.size(1);
@@ -269,53 +228,3 @@ inline torch::Tensor row_argmax(const torch::Tensor& logits) {
 
 }  // namespace draftwise
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  using namespace draftwise;
-  m.def("int4_linear", &int4_linear, "weight-stationary int4 (group 32) linear, bf16 x, fp32 out");
-  m.def("affine_linear", &affine_linear, "group-affine linear (every GGUF block family), bf16 x, fp32 out");
-  m.def("int8_linear", &int8_linear, "weight-stationary int8 (per output channel) linear, bf16 x, fp32 out");
-  m.def("attend_rows", &attend_rows, "row-invariant attention: every row alone over its own keys");
-  m.def("attn_in", &attn_in, "RMSNorm -> qkv linear -> RoPE -> K/V into the cache, per row; returns q");
-  m.def("row_argmax", &row_argmax, "argmax of every logits row (first maximum), rows in parallel");
-  m.def("attn_out_mlp", &attn_out_mlp, "o_proj + residual -> RMSNorm -> gate/up -> SiLU*up -> down + residual");
-  py::class_<Linear>(m, "Linear", py::module_local())
-      .def(py::init([](std::vector<bool> int4, std::vector<torch::Tensor> codes, std::vector<torch::Tensor> scales,
-                       std::vector<torch::Tensor> minimums, std::vector<int64_t> groups, std::vector<int64_t> offsets,
-                       std::vector<int64_t> high_bits, torch::Tensor bias, bool use_amx) {
-        Linear lin;
-        for (size_t i = 0; i < codes.size(); ++i)
-          lin.parts.push_back({int4[i], codes[i], scales[i], minimums[i], groups[i], offsets[i], high_bits[i]});
-        lin.bias = bias;
-        lin.use_amx = use_amx;
-        return lin;
-      }))
-      .def("__call__", &Linear::operator(), "y [M, N] fp32 = x [M, K] bf16 . W^T (+ bias)");
-  py::class_<LayerExtras>(m, "LayerExtras", py::module_local())
-      .def(py::init([](torch::Tensor q_norm, torch::Tensor k_norm, torch::Tensor post_attn_norm,
-                       torch::Tensor post_ffn_norm, bool gelu) {
-        return LayerExtras{q_norm, k_norm, post_attn_norm, post_ffn_norm, gelu};
-      }));
-  py::class_<RowPlan>(m, "RowPlan", py::module_local())
-      .def(py::init([](std::vector<int64_t> rows, std::vector<int64_t> lens, std::vector<int64_t> slot_lists,
-                       std::vector<torch::Tensor> slot_tensors) {
-        return RowPlan{rows, lens, slot_lists, slot_tensors};
-      }));
-  py::class_<FusedStack>(m, "FusedStack", py::module_local())   // one per ISA module in a process
-      .def(py::init([](std::vector<Linear> qkv, std::vector<Linear> o, std::vector<Linear> gate_up,
-                       std::vector<Linear> down, std::vector<torch::Tensor> in_norm,
-                       std::vector<torch::Tensor> post_norm, std::vector<torch::Tensor> k_caches,
-                       std::vector<torch::Tensor> v_caches, std::vector<LayerExtras> extras, std::vector<bool> local,
-                       double eps, int64_t nq, int64_t nkv, int64_t D, double scale) {
-        return FusedStack{qkv, o, gate_up, down, in_norm, post_norm, k_caches, v_caches, extras, local, eps, nq, nkv, D,
-                          scale};
-      }))
-      .def("run", &FusedStack::run, py::call_guard<py::gil_scoped_release>(),
-           "every layer of a row-by-row step: (x after the stack, x before each captured layer)");
-  m.def("suffix_longest_match", &suffix_longest_match,
-        "suffix decoding: the longest common suffix of the context among candidate positions, and those reaching it");
-  m.def("suffix_chain", &suffix_chain, "suffix decoding: the chain of most frequent continuations of occurrences");
-  m.def("suffix_array_narrow", &suffix_array_narrow,
-        "suffix decoding: narrow a backward suffix array's rows to the context's longest suffix");
-  m.def("amx_available", &amx_available);
-  m.attr("isa") = KERNEL_ISA;
-}

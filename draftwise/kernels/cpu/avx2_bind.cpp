@@ -1,0 +1,2 @@
+#define KERNEL_ISA "avx2"
+#include "bindings.h"

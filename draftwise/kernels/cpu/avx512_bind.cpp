@@ -1,0 +1,2 @@
+#define KERNEL_ISA "avx512"
+#include "bindings.h"
