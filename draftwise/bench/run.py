@@ -25,6 +25,7 @@ from draftwise.bench.peers import PeerCrashed, make_peer
 from draftwise.engine_args import resolve_quantization
 from draftwise.kernels import isa
 from draftwise.machine import isa_summary
+from draftwise.models.names import fetch_if_hub
 from draftwise.sampling_params import StructuredOutputParams
 
 PRESETS = {
@@ -659,6 +660,8 @@ def plot_sweep(sw: dict, path: str) -> None:
 
 def run_bench_cli(args) -> int:
     os.makedirs(args.out, exist_ok=True)
+    # Hub names fetched once, here: every row (and the peers reading files) then runs the same file
+    args.model, args.draft_model = fetch_if_hub(args.model), fetch_if_hub(getattr(args, "draft_model", None))
     if args.sweep:
         sw = run_sweep(args)
         md = sweep_markdown(sw)

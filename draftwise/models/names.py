@@ -247,3 +247,13 @@ def repo_listing(name: str, opts: HubOptions = HubOptions()) -> list[str]:
     lines.append("files:")
     lines += [f"  {mb(size)}  {f}" for f, size in sorted(files.items())]
     return lines
+
+
+def fetch_if_hub(name: str | None, opts: HubOptions = HubOptions()) -> str | None:
+    """`name` itself where it is local, packaged or Ollama's; a Hub name's local path (fetched into
+    the cache). For tools that hand the name to peers reading files, yet keep packaged short names
+    (`auto` pairs a packaged target with its packaged draft model by name)."""
+    if name is None or os.path.exists(os.path.expanduser(name)) or name.startswith("ollama:") \
+            or packaged_model(name) is not None or not is_hub_name(name):
+        return name
+    return resolve_model(name, opts).path

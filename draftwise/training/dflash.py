@@ -25,6 +25,7 @@ from draftwise.config import ModelConfig
 from draftwise.models.dflash import DFlashDraftModel, save_dflash_checkpoint, spread_target_layer_ids
 from draftwise.training.loop import SequenceResult, run_training
 from draftwise.models.loader import load_target_model, load_tokenizer
+from draftwise.models.names import resolve_model
 from draftwise.training.shards import ShardStream, iter_shard_sequences
 
 logger = logging.getLogger("draftwise")
@@ -244,7 +245,8 @@ def train_dflash(cfg: DFlashTrainConfig, progress: bool = True) -> str:
         raise ValueError(f"block_size must be >= 2, got {cfg.block_size}")
     torch.manual_seed(cfg.seed)
     os.makedirs(cfg.out, exist_ok=True)
-    target, tcfg, tpath = load_target_model(cfg.target, torch.float32, "cpu", max_position=cfg.max_len + 64)
+    target, tcfg, tpath = load_target_model(resolve_model(cfg.target).path, torch.float32, "cpu",
+                                             max_position=cfg.max_len + 64)
     for p in target.parameters():
         p.requires_grad_(False)
     N = tcfg.num_hidden_layers

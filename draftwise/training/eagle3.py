@@ -20,6 +20,7 @@ from draftwise.training.loop import SequenceResult, run_training
 from draftwise.machine import cpu_flags
 from draftwise.models.eagle3 import load_eagle3_checkpoint
 from draftwise.models.loader import load_target_model, load_tokenizer
+from draftwise.models.names import resolve_model
 from draftwise.training.data import iter_sharegpt, to_messages
 from draftwise.training.shards import ShardStream, iter_shard_sequences
 from draftwise.training.vocab import build_draft_vocab, count_tokens
@@ -306,7 +307,8 @@ def train_eagle3(cfg: TrainConfig, progress: bool = True) -> str:
         torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
     os.makedirs(cfg.out, exist_ok=True)
-    target, tcfg, tpath = load_target_model(cfg.target, torch.float32, "cpu", max_position=cfg.max_len + 64)
+    target, tcfg, tpath = load_target_model(resolve_model(cfg.target).path, torch.float32, "cpu",
+                                             max_position=cfg.max_len + 64)
     for p in target.parameters():
         p.requires_grad_(False)
     aux_layers = target.get_eagle3_aux_hidden_state_layers()

@@ -39,6 +39,12 @@ def hub_files(tmp_path_factory):
     (hf / "original").mkdir()
     (hf / "original" / "consolidated.pth").write_bytes(b"not to be fetched")
     (hf / "model.onnx").write_bytes(b"not to be fetched")
+    from draftwise.config import cache_dir
+    from draftwise.models.gguf_convert import gguf_metadata_dir
+    tok = gguf_metadata_dir(q8, cache_dir())                 # the tokenizer files of the tiny GGUFs
+    tok_files = {f: os.path.join(tok, f) for f in os.listdir(tok) if f.startswith(("tokenizer", "special", "chat"))}
+    bare = write_tiny_llama_gguf(str(d / "bare-Q8_0.gguf"), {n: "Q8_0" for n in LINEARS}, seed=2,
+                                 **{**TINY, "tokenizer": False})
     custom = d / "custom"
     custom.mkdir()
     (custom / "config.json").write_text(json.dumps({"model_type": "my_arch", "auto_map": {"AutoModel": "m.M"}}))
@@ -53,8 +59,9 @@ def hub_files(tmp_path_factory):
         "tiny-org/Gated-GGUF": {"tiny-Q8_0.gguf": q8},
         "tiny-org/Mamba-GGUF": {"mamba-Q8_0.gguf": mamba},
         "tiny-org/Big-GGUF": {"big-F32.gguf": big},
+        "tiny-org/Tiny-Tokenizer": {**tok_files, "config.json": str(hf / "config.json")},
         "tiny-org/Custom-Code": {f: str(custom / f) for f in ("config.json", "model.safetensors")},
-        "_paths": {"Q4_K_M": q4km, "Q8_0": q8, "Q4_0": q40, "split": first, "hf": str(hf), "big": big},
+        "_paths": {"Q4_K_M": q4km, "Q8_0": q8, "Q4_0": q40, "split": first, "hf": str(hf), "big": big, "bare": bare},
     }
 
 

@@ -155,14 +155,23 @@ def test_two_processes_pulling_at_once_fetch_the_file_once(local_hub):
     ("tiny-org/Custom-Code", {}, "own code"),
     ("tiny-org/Tiny-GGUF", {"HF_ENDPOINT": "http://127.0.0.1:9"}, "cannot reach the Hugging Face Hub"),
 ])
-def test_every_failure_is_one_line_and_exit_2(local_hub, name, env, pattern):
+def test_every_failure_is_one_line_and_exit_2(local_hub, name, env, pattern, monkeypatch, capsys):
+    """The command line's answer to each failure (in this process: the same `main`; one run in a
+    subprocess below checks that nothing else reaches stderr at exit)."""
     import re
-    p = run_cli("generate", "--model", name, "hi", env_extra=env, timeout=60)
-    assert p.returncode == 2, (p.returncode, p.stderr)
-    lines = p.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("draftwise: error: "), p.stderr
+    from draftwise.entrypoints.cli import main
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    assert main(["generate", "--model", name, "hi"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("draftwise: error: "), lines
     assert re.search(pattern, lines[0]), lines[0]
-    assert "Traceback" not in p.stderr
+
+
+def test_a_failure_in_a_fresh_process_prints_one_line_and_no_traceback(local_hub):
+    p = run_cli("generate", "--model", "tiny-org/Gated-GGUF", "hi", timeout=60)
+    assert p.returncode == 2 and "Traceback" not in p.stderr
+    assert p.stderr.strip().splitlines() == [p.stderr.strip()] and "gated repository" in p.stderr
 
 
 def test_a_server_never_downloads_for_a_request(local_hub):
@@ -226,3 +235,12 @@ def test_cache_lists_and_clears_hub_models(local_hub):
     assert not os.path.exists(os.path.join(local_hub.cache, "models--tiny-org--Tiny-GGUF"))
     missing = run_cli("cache", "clear", "--what", "hub:nobody/none")
     assert missing.returncode == 2 and "holds no hub:nobody/none" in missing.stderr
+
+
+def test_a_gguf_without_a_tokenizer_takes_one_from_a_hub_repo(local_hub):
+    bare = local_hub.paths["bare"]
+    assert LLM(bare, max_model_len=256).tokenizer is None
+    with_tok = LLM(bare, max_model_len=256, tokenizer="tiny-org/Tiny-Tokenizer")
+    assert with_tok.tokenizer is not None
+    assert with_tok.chat(MESSAGES, GREEDY)[0].outputs[0].token_ids == answer(local_hub.paths["Q8_0"])
+    assert not any(f.endswith((".gguf", ".safetensors")) for f in local_hub.fetched("tiny-org/Tiny-Tokenizer"))
