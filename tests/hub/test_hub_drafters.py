@@ -113,20 +113,28 @@ def test_each_published_eagle3_layout_drafts_as_our_export(trained_head, tmp_pat
         hub.stop()
 
 
-def test_a_dflash_drafter_by_hub_id_drafts_as_by_path(tiny_llama, tmp_path, monkeypatch):
-    path, _ = tiny_llama
-    dflash = write_dflash_checkpoint(str(tmp_path / "dflash"), load_cfg(path), block_size=4,
-                                     target_layer_ids=(0, 2), seed=3)
-    hub = serve({"tiny-org/Tiny-DFlash-b4": dflash}, monkeypatch, tmp_path)
+def test_a_dflash_drafter_by_hub_id_drafts_as_by_path_and_is_accepted(tmp_path, monkeypatch):
+    """z-lab's DFlash layout by Hub id: the same drafts as the same checkpoint by path, some of them
+    accepted (a vocabulary of 8 tokens, where a block of drafts often matches), output equal to
+    plain decoding."""
+    path = str(tmp_path / "v8")
+    make_tiny_hf(path, "llama", vocab=8, hidden=32, layers=2, heads=2, kv_heads=1, seed=5)
+    dflash = write_dflash_checkpoint(str(tmp_path / "dflash"), load_cfg(path), block_size=3, target_layer_ids=(0,),
+                                     mask_token_id=7, scale=0.3, seed=3)
+    hub = serve({"tiny-org/Tiny-DFlash-b3": dflash}, monkeypatch, tmp_path)
+    prompts = [{"prompt_token_ids": p} for p in ([3, 4, 5], [1, 2], [6, 6, 6, 2])]
     try:
         def go(model):
-            llm = LLM(path, block_size=4, max_model_len=128,
-                      speculative_config={"method": "dflash", "model": model, "allocate_drafts": False})
-            return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)], llm.get_metrics()["spec_decode"]
+            spec = None if model is None else {"method": "dflash", "model": model, "allocate_drafts": False}
+            llm = LLM(path, block_size=4, max_model_len=64, speculative_config=spec)
+            return [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)], llm.get_metrics()["spec_decode"]
+        plain, _ = go(None)
         by_path, m = go(dflash)
-        by_id, mi = go("tiny-org/Tiny-DFlash-b4")
-        assert by_id == by_path and mi["num_draft_tokens"] == m["num_draft_tokens"] > 0
-        assert mi["num_accepted_tokens"] == m["num_accepted_tokens"]
+        by_id, mi = go("tiny-org/Tiny-DFlash-b3")
+        assert by_id == by_path == plain
+        assert {k: mi[k] for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")} == \
+            {k: m[k] for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")}
+        assert m["num_accepted_tokens"] > 0, m
     finally:
         hub.stop()
 

