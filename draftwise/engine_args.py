@@ -11,6 +11,7 @@ of compilation the first time on a small CPU (cached on disk for later starts)."
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from dataclasses import MISSING, dataclass, field, fields
 
@@ -164,7 +165,7 @@ class EngineArgs:
         spec = self.speculative()
         if spec is not None and spec.model is not None and spec.method in ("draft_model", "eagle3", "dflash"):
             # a drafter by name: local, packaged or on the Hub (its own revision is the default branch)
-            opts = HubOptions(token=self.hf_token, offline=bool(self.offline), quiet=bool(self.quiet))
+            opts = dataclasses.replace(self.hub_options(), revision=None)
             spec.model = resolve_model(spec.model, opts, role="model" if spec.method == "draft_model"
                                        else "drafter").path
         sizes = self.compile_sizes

