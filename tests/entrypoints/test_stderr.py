@@ -52,6 +52,9 @@ def test_generate_chat_bench_and_cache_print_only_our_lines(tiny, tmp_path):
         "chat": cli("chat", "--model", tiny, "--max-tokens", "6", "--max-model-len", "256", input="hello\n\n"),
         "bench": cli("bench", "--model", tiny, "--methods", "ar,suffix", "--dataset", "code-edits", "--num-prompts", "1",
                      "--max-turns", "1", "--max-tokens", "4", "--max-model-len", "512", "--out", str(tmp_path / "b")),
+        # the torch profiler it runs prints libkineto's USDT lines unless muted at its start and stop
+        "bench step-cost": cli("bench", "step-cost", "--model", tiny, "--formats", "gguf", "--threads", "1", "--rows",
+                               "1,2", "--contexts", "16", "--repeats", "1", "--out", str(tmp_path / "s")),
         "cache": cli("cache", "list"),
         "bad model": cli("generate", "--model", str(tmp_path / "none.gguf"), "hi"),
     }
