@@ -39,8 +39,8 @@ def available_memory() -> int | None:
 
 
 def isa_summary() -> str:
-    """The flags that matter for the kernels: AVX2, AVX-512 (BF16, VNNI, ...) and AMX."""
-    return ",".join(sorted(f for f in cpu_flags() if f.startswith(("avx512", "amx", "avx2"))))
+    """The flags that matter for the kernels: AVX2, AVX-VNNI, AVX-512 (BF16, VNNI, ...) and AMX."""
+    return ",".join(sorted(f for f in cpu_flags() if f.startswith(("avx512", "amx", "avx2", "avx_vnni"))))
 
 
 def machine_key(*extra) -> str:

@@ -3,20 +3,22 @@ torch.utils.cpp_extension (cached under torch's extension directory, so later st
 library in well under a second).
 
 `cpu/avx512.cpp` (AVX512-BF16 dot products, AMX-BF16 tiles where the OS grants them) and
-`cpu/avx2.cpp` (AVX2 + FMA + F16C) each provide the same functions: weight-stationary int4 (group 32,
+`cpu/avx2.cpp` (AVX2 + FMA + F16C; built a second time with AVX-VNNI's vpdpbusd for the CPUs
+that have it without AVX-512) each provide the same functions: weight-stationary int4 (group 32,
 GGUF Q4_1) and int8 linears for every row count, the group-affine linear every GGUF block family
 runs on (`cpu/affine.h` on AVX2 FMAs, `cpu/avx512_affine.h` on AVX512-BF16 dot products; layouts by
 `pack_affine`), the row-invariant attention over fp32 / bf16 / fp16 paged caches, the fused decoder
 layer and layer stack (`cpu/layer.h`, shared), the row argmax.
 
 `isa()` is the one dispatch point: the best ISA this CPU has, or the one `DRAFTWISE_ISA` names
-(amx | avx512 | avx2 | none; `none` = PyTorch's own kernels). A machine's numbers depend on that ISA
+(amx | avx512 | avx_vnni | avx2 | none; `none` = PyTorch's own kernels). A machine's numbers depend on that ISA
 only: every row count runs the same kernel, so a row's bits never depend on the rows beside it. A
 kernel that cannot be built or loaded here means PyTorch's kernels, with one warning: `load()`
 returns None and says why once."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import sys
@@ -30,24 +32,40 @@ logger = logging.getLogger("draftwise")
 _lock = threading.Lock()
 _state: dict = {}
 
-ISAS = ("amx", "avx512", "avx2", "none")           # best first
-# each ISA's module: its kernels and its Python bindings, two translation units compiled in parallel
-# (the bindings alone include the Python and libtorch headers)
-_SOURCES = {"amx": "avx512.cpp", "avx512": "avx512.cpp", "avx2": "avx2.cpp"}
-_BINDINGS = {"avx512.cpp": "avx512_bind.cpp", "avx2.cpp": "avx2_bind.cpp"}
-_CFLAGS = {"avx2.cpp": ["-mavx2", "-mfma", "-mf16c"]}   # the AVX-512 file marks its functions itself
+ISAS = ("amx", "avx512", "avx_vnni", "avx2", "none")           # best first
+_AVX2 = ["-mavx2", "-mfma", "-mf16c"]
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelModule:
+    """One ISA's compiled module: its kernels and their Python bindings, translation units compiled
+    in parallel (the bindings alone include the Python and libtorch headers)."""
+    name: str
+    sources: tuple[str, ...]        # the kernels' units, the bindings' last
+    cflags: tuple[str, ...] = ()    # the AVX-512 files mark their functions themselves
+
+
+_AVX512_MODULE = KernelModule("avx512", ("avx512.cpp", "avx512_bind.cpp"))
+MODULES = {"amx": _AVX512_MODULE, "avx512": _AVX512_MODULE,     # AMX is chosen inside, at run time
+           "avx_vnni": KernelModule("avx_vnni", ("avx2.cpp", "avx2_bind.cpp"),
+                                    (*_AVX2, "-mavxvnni", "-DDRAFTWISE_AVX_VNNI")),
+           "avx2": KernelModule("avx2", ("avx2.cpp", "avx2_bind.cpp"), tuple(_AVX2))}
 _CPU_DIR = os.path.join(os.path.dirname(__file__), "cpu")   # the kernel sources
 _AVX512 = {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "avx512_vnni"}
 
 
+def available_isas(flags: set[str] | None = None) -> list[str]:
+    """Every kernel ISA this CPU (or these cpuinfo flags) can run, best first, `none` last."""
+    flags = cpu_flags() if flags is None else flags
+    has = {"amx": _AVX512 | {"amx_bf16", "amx_tile"} <= flags, "avx512": _AVX512 <= flags,
+           "avx2": {"avx2", "fma", "f16c"} <= flags, "none": True}
+    has["avx_vnni"] = has["avx2"] and "avx_vnni" in flags
+    return [name for name in ISAS if has[name]]
+
+
 def cpu_isa() -> str:
     """The best kernel ISA this CPU has."""
-    flags = cpu_flags()
-    if _AVX512 <= flags:
-        return "amx" if {"amx_bf16", "amx_tile"} <= flags else "avx512"
-    if {"avx2", "fma", "f16c"} <= flags:
-        return "avx2"
-    return "none"
+    return available_isas()[0]
 
 
 def isa() -> str:
@@ -62,7 +80,7 @@ def isa() -> str:
     elif want not in ISAS:
         logger.warning("DRAFTWISE_ISA=%s is not one of %s (or auto); using %s", want, ", ".join(ISAS), best)
         chosen = best
-    elif ISAS.index(want) < ISAS.index(best):
+    elif want not in available_isas():
         logger.warning("DRAFTWISE_ISA=%s, but this CPU has no %s; using %s", want, want, best)
         chosen = best
     else:
@@ -108,7 +126,7 @@ def load():
             why = "DRAFTWISE_ISA=none" if cpu_isa() != "none" else "the CPU has neither AVX2+FMA+F16C nor AVX512-BF16"
         else:
             try:
-                mod = _build(_SOURCES[chosen])
+                mod = _build(MODULES[chosen])
                 why = None
             except Exception as e:     # noqa: BLE001 - no compiler, no ninja, a failed build, ...
                 why = f"the {chosen} kernels could not be built ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
@@ -119,9 +137,9 @@ def load():
         return mod
 
 
-def _build(source: str):
+def _build(module: KernelModule):
     from torch.utils.cpp_extension import _get_build_directory, load as build
-    name = "draftwise_cpu_" + source.split(".")[0]
+    name = "draftwise_cpu_" + module.name
     directory = _get_build_directory(name, verbose=False)     # torch's folder (TORCH_EXTENSIONS_DIR honoured)
     # torch rebuilds an extension when its listed source changes, not its headers: a digest of every
     # file here in the flags makes any change (an upgrade) rebuild instead of loading a stale library
@@ -130,11 +148,11 @@ def _build(source: str):
         stamp = os.path.join(directory, "draftwise.built")
         fresh = not (os.path.exists(os.path.join(directory, name + ".so")) and _read(stamp) == digest)
         if fresh:                      # one line while the compiler runs, so a first start is not silence
-            print(f"draftwise: building the {source.split('.')[0]} CPU kernels for this machine (once after "
+            print(f"draftwise: building the {module.name} CPU kernels for this machine (once after "
                   "an install or upgrade; about a minute on 2 cores) ...", file=sys.stderr, flush=True)
-        mod = build(name=name, sources=[os.path.join(_CPU_DIR, f) for f in (source, _BINDINGS[source])],
+        mod = build(name=name, sources=[os.path.join(_CPU_DIR, f) for f in module.sources],
                     extra_include_paths=[_CPU_DIR],
-                    extra_cflags=["-O3", "-fopenmp", f"-DDRAFTWISE_SOURCES={digest}", *_CFLAGS.get(source, [])],
+                    extra_cflags=["-O3", "-fopenmp", f"-DDRAFTWISE_SOURCES={digest}", *module.cflags],
                     extra_ldflags=["-fopenmp"], build_directory=directory, verbose=False)
         if fresh:
             with open(stamp, "w") as f:
@@ -356,7 +374,7 @@ def high_bits_for(isa_name: str | None = None) -> str:
     """The high-bit arrangement the kernels of `isa_name` (default: the running ISA) read: AVX2's
     shifts, the AVX-512 kernels' (and PyTorch's fallback) masks. Weights are packed for the ISA that
     will run them, as llama.cpp repacks its blocks per ISA at load."""
-    return "shifts" if (isa_name or isa()) == "avx2" else "masks"
+    return "shifts" if "avx2.cpp" in MODULES.get(isa_name or isa(), _AVX512_MODULE).sources else "masks"
 
 
 def pack_affine(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor | None, group: int, bits: int,

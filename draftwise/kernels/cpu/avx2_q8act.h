@@ -1,9 +1,10 @@
 // The int8-activation group-affine linear (q8act.h: layouts, order of operations) on AVX2:
 // vpmaddubsw multiplies 32 unsigned code bytes by 32 signed activation bytes and adds adjacent
 // pairs to int16, vpmaddwd with ones adds those pairs to int32: per 256-bit vector 8 columns x 4
-// inputs. A column block is run as two halves of 8 columns (bytes 0-31 and 32-63 of each 64-byte
-// step). Products stay inside int16: 4- to 6-bit codes (at most 63 x 127 x 2 per pair; an octet's
-// two pairs summed: 32,004); int8 codes use the sign trick (|code| x activation with the code's sign:
+// inputs; with AVX-VNNI (Intel's client CPUs without AVX-512 have it) vpdpbusd does both at once.
+// A column block is run as two halves of 8 columns (bytes 0-31 and 32-63 of each 64-byte step).
+// Products stay inside int16: 4- to 6-bit codes (at most 63 x 127 x 2 per pair; an octet's two
+// pairs summed: 32,004); int8 codes use the sign trick (|code| x activation with the code's sign:
 // 128 x 127 x 2 = 32,512), so they need no offset.
 #pragma once
 
@@ -53,100 +54,174 @@ DW_AVX2 inline void load_half(const uint8_t* p, int h, __m256i& a, __m256i& b) {
   }
 }
 
+#ifdef DRAFTWISE_AVX_VNNI
+constexpr bool VNNI = true;    // built with -mavxvnni for a CPU that has it (kernels/__init__.py)
+#else
+constexpr bool VNNI = false;
+#endif
+
+// octets whose int16 pair sums (vpmaddubsw, then vpaddw) add up before they are widened to int32:
+// an octet adds per 16-bit lane two pairs of products of at most (2^BITS - 1) x 127, so 4-bit codes
+// take 4 octets (30,480), 5-bit 2 (31,496), 6-bit 1 (32,004)
 template <int BITS>
-DW_AVX2 inline __m256i dot_octet(__m256i a, __m256i b, int32_t xa, int32_t xb) {
-  const __m256i ones = _mm256_set1_epi16(1);
-  const __m256i va = _mm256_set1_epi32(xa), vb = _mm256_set1_epi32(xb);
-  __m256i pa, pb;
+constexpr int int16_span() { return BITS == 4 ? 4 : BITS == 5 ? 2 : 1; }
+
+// 4- to 6-bit codes: one octet of one half-block (a = inputs 0-3 of its 8 columns, b = 4-7) times a
+// row's two activation words, as int16 pair sums added to s
+DW_AVX2 inline __m256i dot16(__m256i s, __m256i a, __m256i b, __m256i va, __m256i vb) {
+  return _mm256_add_epi16(s, _mm256_add_epi16(_mm256_maddubs_epi16(a, va), _mm256_maddubs_epi16(b, vb)));
+}
+
+// the same into int32 sums: with AVX-VNNI one vpdpbusd per word (4 products a lane, exact); 8-bit
+// codes by the sign trick (|code| as unsigned bytes, 128 included, times the activation given the
+// code's sign), each vpmaddubsw widened alone (a pair up to 128 x 127 x 2 = 32,512)
+template <int BITS>
+DW_AVX2 inline __m256i dot32(__m256i acc, __m256i a, __m256i b, __m256i va, __m256i vb) {
   if constexpr (BITS == 8) {
-    pa = _mm256_maddubs_epi16(_mm256_abs_epi8(a), _mm256_sign_epi8(va, a));
-    pb = _mm256_maddubs_epi16(_mm256_abs_epi8(b), _mm256_sign_epi8(vb, b));
-    return _mm256_add_epi32(_mm256_madd_epi16(pa, ones), _mm256_madd_epi16(pb, ones));
-  } else {
-    pa = _mm256_maddubs_epi16(a, va);
-    pb = _mm256_maddubs_epi16(b, vb);
-    return _mm256_madd_epi16(_mm256_add_epi16(pa, pb), ones);
+    va = _mm256_sign_epi8(va, a);
+    vb = _mm256_sign_epi8(vb, b);
+    a = _mm256_abs_epi8(a);
+    b = _mm256_abs_epi8(b);
+  }
+#ifdef DRAFTWISE_AVX_VNNI
+  return _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(acc, a, va), b, vb);
+#else
+  const __m256i ones = _mm256_set1_epi16(1);
+  if constexpr (BITS == 8)
+    return _mm256_add_epi32(acc, _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(a, va), ones),
+                                                  _mm256_madd_epi16(_mm256_maddubs_epi16(b, vb), ones)));
+  else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(dot16(_mm256_setzero_si256(), a, b, va, vb), ones));
+#endif
+}
+
+using TiledActivations = q8act::TiledActivations<MT_MAX>;
+
+// octets [o0, o1) of the tile's MT rows, both halves: each code step loaded and unpacked once, each
+// activation word broadcast once, and per row and half `f(r, h, a, b, va, vb)`
+template <int BITS, int MT, typename F>
+DW_AVX2 inline void octets(const uint8_t* pk, const int32_t* xq, int o0, int o1, const F& f) {
+  constexpr int64_t sb = q8act::step_bytes(BITS);
+  for (int o = o0; o < o1; ++o) {
+    q8act::prefetch_step<BITS>(pk + o * sb, PREFETCH_BYTES);
+    __m256i a[2], b[2];
+    load_half<BITS>(pk + o * sb, 0, a[0], b[0]);
+    load_half<BITS>(pk + o * sb, 1, a[1], b[1]);
+    const int32_t* xo = xq + static_cast<int64_t>(o) * MT * 2;
+#pragma GCC unroll 4
+    for (int r = 0; r < MT; ++r) {
+      const __m256i va = _mm256_set1_epi32(xo[2 * r]), vb = _mm256_set1_epi32(xo[2 * r + 1]);
+      f(r, 0, a[0], b[0], va, vb);
+      f(r, 1, a[1], b[1], va, vb);
+    }
   }
 }
 
-// rows r0 .. r0 + MT - 1 of NH half-blocks of 8 columns from half h0: one half (register tiles of up
-// to MT_MAX rows), or both halves of a single row in one pass over the codes (each code step loaded
-// and prefetched once, each activation word broadcast once: a decode row's linear is a walk through
-// the codes with little arithmetic per byte). Each half's arithmetic is the same, in the same order.
-template <int BITS, int MT, int NH, typename S>
-DW_AVX2 void rows(const q8act::Activations& act, int r0, const uint8_t* pk, int h0, const S& sc, float* y, int64_t N) {
-  const int K = act.K, group = act.group, G = act.G, OG = group / q8act::OCTET;
-  const int64_t sb = q8act::step_bytes(BITS);
-  __m256 acc[MT][NH];
+// The MT rows of register tile `t` (MT its height) of one column block (its codes `pk`, its scales
+// `sc`), both halves of 8 columns at once. Per group, each row's integer sums are the codes' dot
+// products less the group's offset term; without VNNI, 4- to 6-bit codes gather int16 sums over
+// int16_span octets and widen them once (one vpmaddwd where each octet took one). The rows' fp32
+// accumulators live in y itself (L1), leaving the 16 vector registers to the integer sums, the codes
+// and the broadcast activations. Integer sums are exact, so every path and tile height gives a row
+// the same bits.
+template <int BITS, int MT, typename S>
+DW_AVX2 void rows(const TiledActivations& ta, int t, int OG, const uint8_t* pk, const S& sc, float* y, int64_t N) {
+  const int G = ta.G, group = OG * q8act::OCTET;
+  constexpr int64_t sb = q8act::step_bytes(BITS);
+  constexpr int SPAN = (VNNI || BITS == 8) ? 1 : int16_span<BITS>();
+  const __m256i ones = _mm256_set1_epi16(1);
+  const int32_t* xq = ta.q.data() + static_cast<int64_t>(t) * ta.octets * MT_MAX * 2;
+  const int32_t* corr = ta.corr.data() + static_cast<int64_t>(t) * G * MT_MAX;
+  const float* xd = ta.d.data() + static_cast<int64_t>(t) * ta.blocks * MT_MAX;
+  const float* xs = ta.xs.data() + static_cast<int64_t>(t) * G * MT_MAX;
   for (int r = 0; r < MT; ++r)
-    for (int h = 0; h < NH; ++h) acc[r][h] = _mm256_setzero_ps();
-  const int32_t* xq[MT];
-  for (int r = 0; r < MT; ++r) xq[r] = reinterpret_cast<const int32_t*>(act.row(r0 + r));
+    for (int h = 0; h < 2; ++h) _mm256_storeu_ps(y + r * N + h * 8, _mm256_setzero_ps());
   for (int g = 0; g < G; ++g) {
-    __m256i ia[MT][NH];
-    for (int r = 0; r < MT; ++r)
-      for (int h = 0; h < NH; ++h) ia[r][h] = _mm256_setzero_si256();
-    for (int o = 0; o < OG; ++o) {
-      const int oct = g * OG + o;
-      q8act::prefetch_step<BITS>(pk + oct * sb, PREFETCH_BYTES);
-      __m256i a[NH], b[NH];
-      for (int h = 0; h < NH; ++h) load_half<BITS>(pk + oct * sb, h0 + h, a[h], b[h]);
-      for (int r = 0; r < MT; ++r) {
-        const int32_t xa = xq[r][2 * oct], xb = xq[r][2 * oct + 1];
-        for (int h = 0; h < NH; ++h) ia[r][h] = _mm256_add_epi32(ia[r][h], dot_octet<BITS>(a[h], b[h], xa, xb));
+    const uint8_t* pg = pk + static_cast<int64_t>(g) * OG * sb;
+    const int32_t* xg = xq + static_cast<int64_t>(g) * OG * MT * 2;
+    __m256i ia[MT][2];
+    if constexpr (SPAN == 1) {
+#pragma GCC unroll 4
+      for (int r = 0; r < MT; ++r) ia[r][0] = ia[r][1] = _mm256_set1_epi32(-corr[g * MT + r]);
+      octets<BITS, MT>(pg, xg, 0, OG, [&](int r, int h, __m256i a, __m256i b, __m256i va, __m256i vb) {
+        ia[r][h] = dot32<BITS>(ia[r][h], a, b, va, vb);
+      });
+    } else {
+      // the first span apart, so that no int32 sum is live while its int16 sums are gathered
+      __m256i s16[MT][2];
+      const auto gather = [&](int o0) {
+#pragma GCC unroll 4
+        for (int r = 0; r < MT; ++r) s16[r][0] = s16[r][1] = _mm256_setzero_si256();
+        octets<BITS, MT>(pg, xg, o0, std::min(OG, o0 + SPAN), [&](int r, int h, __m256i a, __m256i b, __m256i va,
+                                                                   __m256i vb) {
+          s16[r][h] = dot16(s16[r][h], a, b, va, vb);
+        });
+      };
+      gather(0);
+#pragma GCC unroll 4
+      for (int r = 0; r < MT; ++r)
+        for (int h = 0; h < 2; ++h)
+          ia[r][h] = _mm256_sub_epi32(_mm256_madd_epi16(s16[r][h], ones), _mm256_set1_epi32(corr[g * MT + r]));
+      for (int o0 = SPAN; o0 < OG; o0 += SPAN) {
+        gather(o0);
+#pragma GCC unroll 4
+        for (int r = 0; r < MT; ++r)
+          for (int h = 0; h < 2; ++h) ia[r][h] = _mm256_add_epi32(ia[r][h], _mm256_madd_epi16(s16[r][h], ones));
       }
     }
     const int db = g * group / q8act::QBLOCK;
-    for (int h = 0; h < NH; ++h) {
-      const __m256 s = sc.scale(g, h0 + h);
+    for (int h = 0; h < 2; ++h) {
+      const __m256 s = sc.scale(g, h);
+#pragma GCC unroll 4
       for (int r = 0; r < MT; ++r) {
-        const int rr = r0 + r;
-        const __m256i t = _mm256_sub_epi32(ia[r][h], _mm256_set1_epi32(act.corr[rr * G + g]));
-        const __m256 sd = _mm256_mul_ps(s, _mm256_set1_ps(act.d[rr * (K / q8act::QBLOCK) + db]));
-        acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), sd, acc[r][h]);
+        float* yr = y + r * N + h * 8;
+        const __m256 sd = _mm256_mul_ps(s, _mm256_set1_ps(xd[db * MT + r]));
+        _mm256_storeu_ps(yr, _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia[r][h]), sd, _mm256_loadu_ps(yr)));
       }
     }
     if (sc.has_min()) {
-      for (int h = 0; h < NH; ++h) {
-        const __m256 m = sc.min(g, h0 + h);
-        for (int r = 0; r < MT; ++r)
-          acc[r][h] = _mm256_fmadd_ps(m, _mm256_set1_ps(act.xs[(r0 + r) * G + g]), acc[r][h]);
+      for (int h = 0; h < 2; ++h) {
+        const __m256 m = sc.min(g, h);
+#pragma GCC unroll 4
+        for (int r = 0; r < MT; ++r) {
+          float* yr = y + r * N + h * 8;
+          _mm256_storeu_ps(yr, _mm256_fmadd_ps(m, _mm256_set1_ps(xs[g * MT + r]), _mm256_loadu_ps(yr)));
+        }
       }
     }
   }
-  for (int r = 0; r < MT; ++r)
-    for (int h = 0; h < NH; ++h) _mm256_storeu_ps(y + static_cast<int64_t>(r) * N + (h0 + h) * 8, acc[r][h]);
 }
 
 template <int BITS, typename S>
-DW_AVX2 void rows_any(int mt, const q8act::Activations& act, int r0, const uint8_t* pk, int h, const S& sc, float* y,
+DW_AVX2 void rows_any(int mt, const TiledActivations& ta, int t, int OG, const uint8_t* pk, const S& sc, float* y,
                       int64_t N) {
   switch (mt) {
-    case 1: rows<BITS, 1, 1, S>(act, r0, pk, h, sc, y, N); break;
-    case 2: rows<BITS, 2, 1, S>(act, r0, pk, h, sc, y, N); break;
-    case 3: rows<BITS, 3, 1, S>(act, r0, pk, h, sc, y, N); break;
-    case 4: rows<BITS, 4, 1, S>(act, r0, pk, h, sc, y, N); break;
+    case 1: rows<BITS, 1, S>(ta, t, OG, pk, sc, y, N); break;
+    case 2: rows<BITS, 2, S>(ta, t, OG, pk, sc, y, N); break;
+    case 3: rows<BITS, 3, S>(ta, t, OG, pk, sc, y, N); break;
+    case 4: rows<BITS, 4, S>(ta, t, OG, pk, sc, y, N); break;
     default: break;
   }
 }
 
+// every column block, in parallel; within a thread's share, rows in chunks whose activations stay
+// in cache, each chunk in register tiles of up to MT_MAX rows
 template <int BITS, typename S>
 void column_blocks(const q8act::Activations& act, const uint8_t* codes, const S& scales, int64_t blocks, float* y) {
-  const int M = act.M;
+  static_assert(q8act::ROW_CHUNK % MT_MAX == 0, "row chunks are whole register tiles");
+  const int M = act.M, OG = act.group / q8act::OCTET;
   const int64_t N = blocks * NB, block_bytes = static_cast<int64_t>(act.K / q8act::OCTET) * q8act::step_bytes(BITS);
+  thread_local TiledActivations tiled;   // reused per calling thread; the workers read the caller's copy
+  const TiledActivations& ta = tiled;
+  tiled.fill(act);
   at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
     for (int c0 = 0; c0 < M; c0 += q8act::ROW_CHUNK) {
       const int c1 = std::min(M, c0 + q8act::ROW_CHUNK);
       for (int64_t b = b0; b < b1; ++b) {
         const S sc = scales.at(b);
-        if (c1 - c0 == 1) {            // one row: both halves in one pass
-          rows<BITS, 1, 2, S>(act, c0, codes + b * block_bytes, 0, sc, y + static_cast<int64_t>(c0) * N + b * NB, N);
-          continue;
-        }
-        for (int h = 0; h < 2; ++h)
-          for (int r = c0; r < c1; r += MT_MAX)
-            rows_any<BITS, S>(std::min(MT_MAX, c1 - r), act, r, codes + b * block_bytes, h, sc,
-                              y + static_cast<int64_t>(r) * N + b * NB, N);
+        for (int r = c0; r < c1; r += MT_MAX)
+          rows_any<BITS, S>(std::min(MT_MAX, c1 - r), ta, r / MT_MAX, OG, codes + b * block_bytes, sc,
+                            y + static_cast<int64_t>(r) * N + b * NB, N);
       }
     }
   });

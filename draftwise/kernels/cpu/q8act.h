@@ -146,6 +146,58 @@ inline void quantize_rows(const torch::Tensor& x, int group, int offset, Activat
   });
 }
 
+// The activations of each register tile of TILE rows interleaved row by row (as llama.cpp's
+// q8_0x4 / q8_Kx8 repacked activations): an octet's two int32 words of the tile's rows side by
+// side, and likewise each group's offset term and input sum and each block's scale. One pointer per
+// array then serves every row of the tile with constant displacements; eight row pointers per
+// array would not fit the general registers, and their reloads cost the 8-row tile ~40 % of its
+// throughput. Within a tile the rows are interleaved at the tile's own height (TILE, or fewer in
+// the last tile), so a single row's activations are as compact as x itself: padded to TILE, one
+// row of the down projection (K = 8,960) spread over 72 KB, past L1, for every column block.
+template <int TILE>
+struct TiledActivations {
+  static constexpr int64_t FILL_GRAIN = 64;     // rows per thread's share of the copy, at least
+  int tiles = 0, octets = 0, G = 0, blocks = 0;
+  std::vector<int32_t> q;      // [tiles][octets][mt][2]   (mt: the tile's rows; tiles TILE apart)
+  std::vector<int32_t> corr;   // [tiles][G][mt]
+  std::vector<float> d;        // [tiles][blocks][mt]
+  std::vector<float> xs;       // [tiles][G][mt]
+
+  void fill(const q8act::Activations& act) {
+    tiles = (act.M + TILE - 1) / TILE;
+    octets = act.K / q8act::OCTET;
+    G = act.G;
+    blocks = act.K / q8act::QBLOCK;
+    // every element is written below (a tile holds exactly its rows)
+    const size_t M = static_cast<size_t>(act.M);
+    q.resize(M * octets * 2);
+    corr.resize(M * G);
+    d.resize(M * blocks);
+    xs.resize(M * G);
+    // rows in parallel where there are many (a prefill chunk: serial, this copy held the other
+    // threads waiting ~2 % of a prompt's time); each row writes its own elements
+    at::parallel_for(0, act.M, FILL_GRAIN, [&](int64_t r0, int64_t r1) {
+      for (int r = static_cast<int>(r0); r < r1; ++r) fill_row(act, r);
+    });
+  }
+
+  void fill_row(const q8act::Activations& act, int r) {
+    const int t = r / TILE, rr = r % TILE, mt = std::min(TILE, act.M - t * TILE);
+    const int32_t* w = reinterpret_cast<const int32_t*>(act.row(r));
+    int32_t* tq = q.data() + static_cast<int64_t>(t) * octets * TILE * 2 + rr * 2;
+    for (int o = 0; o < octets; ++o) {
+      tq[o * mt * 2] = w[2 * o];
+      tq[o * mt * 2 + 1] = w[2 * o + 1];
+    }
+    const int64_t tg = static_cast<int64_t>(t) * G * TILE, tb = static_cast<int64_t>(t) * blocks * TILE;
+    for (int g = 0; g < G; ++g) {
+      corr[tg + g * mt + rr] = act.corr[static_cast<int64_t>(r) * G + g];
+      xs[tg + g * mt + rr] = act.xs[static_cast<int64_t>(r) * G + g];
+    }
+    for (int b = 0; b < blocks; ++b) d[tb + b * mt + rr] = act.d[static_cast<int64_t>(r) * blocks + b];
+  }
+};
+
 // the arguments' checks and the layout's bit width (4, 5 or 8), shared by every ISA
 inline int check_dot_layout(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scale,
                             const torch::Tensor& minimum, int64_t group) {
