@@ -13,8 +13,10 @@ and reads included), other ops (norms, RoPE, residuals, embedding, casts), Pytho
 wall time no op accounts for), LM head, sampling / acceptance. With `--draft-model`, one pass of the
 draft model (a drafted token's cost) beside the target's plain step. The split comes from one
 torch.profiler pass per point (op self-times), scaled to the unprofiled wall time. Prints a
-Markdown table per context with t(M)/t(1) ratios, writes JSON and a PNG plot; the header names the
-CPU and its ISA."""
+Markdown table per context with t(M)/t(1) ratios, then the layer linears' rate at each M in GMAC/s
+a core beside the kernel's own ceiling measured in the same run (the model's largest linear, its
+own kernel, on weights that stay in cache, one thread: the gap is what memory and threading cost);
+writes JSON and a PNG plot; the header names the CPU and its ISA."""
 from __future__ import annotations
 
 import argparse
@@ -27,7 +29,8 @@ import time
 import torch
 
 from draftwise import LLM
-from draftwise.kernels import forced_isa, isa, row_argmax
+from draftwise.kernels import HIGH_BITS, forced_isa, isa, load, row_argmax
+from draftwise.layers.quant import GroupAffineLinear
 from draftwise.machine import isa_summary
 from draftwise.models.loader import DEFAULT_MODEL
 from draftwise.sample.rejection_sampler import greedy_accept
@@ -110,6 +113,55 @@ def _split(runner, inputs, lm_head_rows: torch.Tensor) -> dict[str, float]:
     return by
 
 
+def _leaf_linears(model):
+    """(name, module) of every linear of the decoder layers (the LM head apart), outermost only."""
+    found = [(n, m) for n, m in model.named_modules() if n.startswith("layers.") and hasattr(m, "in_features")
+             and hasattr(m, "out_features")]
+    names = [n for n, _ in found]
+    return [(n, m) for n, m in found if not any(o.startswith(n + ".") for o in names)]
+
+
+def layer_linear_macs(model) -> int:
+    """Multiply-adds of one row through the decoder layers' linears."""
+    return sum(m.in_features * m.out_features for _, m in _leaf_linears(model))
+
+
+CEILING_ROWS, CEILING_BLOCKS = 16, 16      # 16 rows x 256 output columns: a few hundred KB of codes
+
+
+@torch.inference_mode()
+def kernel_ceiling(model, seconds: float = 0.5) -> dict | None:
+    """The linear kernel's own rate where memory is no limit: CEILING_ROWS rows through the first
+    CEILING_BLOCKS column blocks of the model's largest layer linear (its own block type, layout and
+    kernel), cache-resident, one thread, called directly - the inner loop's ceiling on this CPU and
+    ISA, beside which each step's linear rate reads. None where the layers do not run the
+    group-affine kernel."""
+    lins = [m for _, m in _leaf_linears(model) if isinstance(m, GroupAffineLinear) and m.draftwise_kernel]
+    mod = load()
+    if not lins or mod is None:
+        return None
+    big = max(lins, key=lambda m: m.in_features * m.out_features)
+    codes, scale, minimum, group, offset, high_bits = big.packed_parts()[0]
+    n = min(CEILING_BLOCKS, codes.shape[0])
+    args = (codes[:n].contiguous(), scale[:n].contiguous(), minimum[:n].contiguous() if minimum.numel() else minimum,
+            group, offset, HIGH_BITS.index(high_bits))
+    x = torch.randn(CEILING_ROWS, codes.shape[1] * 8).to(torch.bfloat16)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        mod.affine_linear(x, *args)
+        calls, t0 = 0, time.perf_counter()
+        while calls < 3 or time.perf_counter() - t0 < seconds:
+            mod.affine_linear(x, *args)
+            calls += 1
+        per_call = (time.perf_counter() - t0) / calls
+    finally:
+        torch.set_num_threads(threads)
+    macs = CEILING_ROWS * n * 16 * x.shape[1]
+    return {"gmacs_per_core": macs / per_call / 1e9, "bits": {64: 4, 80: 5, 96: 6, 128: 8}.get(codes.shape[2]),
+            "rows": CEILING_ROWS, "columns": n * 16, "inputs": x.shape[1]}
+
+
 @torch.inference_mode()
 def measure_format(fmt: str, model: str, threads: list[int], rows: list[int], contexts: list[int],
                    compiled: bool, repeats: int, requests: list[int] = (1,), draft: dict | None = None) -> list[dict]:
@@ -123,6 +175,8 @@ def measure_format(fmt: str, model: str, threads: list[int], rows: list[int], co
 def _measure(llm, fmt: str, threads: list[int], rows: list[int], contexts: list[int], repeats: int,
              requests: int = 1) -> list[dict]:
     runner = llm.engine.worker.runner
+    macs = layer_linear_macs(runner.model)
+    ceiling = kernel_ceiling(runner.model)
     out = []
     for th in threads:
         torch.set_num_threads(th)
@@ -153,6 +207,12 @@ def _measure(llm, fmt: str, threads: list[int], rows: list[int], contexts: list[
                        "step_ms": (total + best_sample) * 1e3}
                 row.update({k + "_ms": v * scale * 1e3 for k, v in split.items()})
                 row["lm_head_ms"] = best_head * 1e3
+                # the layer linears' multiply-adds over their profiled time, per thread
+                row["linear_gmac"] = macs * m * requests / 1e9
+                row["linear_gmacs_per_core"] = row["linear_gmac"] / max(row["linears_ms"] / 1e3, 1e-9) / th
+                if ceiling is not None:
+                    row["ceiling_gmacs_per_core"] = ceiling["gmacs_per_core"]
+                    row["ceiling"] = ceiling
                 row["sampling_ms"] = best_sample * 1e3
                 if draft_ms is not None:
                     row["draft_token_ms"] = draft_ms
@@ -202,7 +262,31 @@ def format_table(rows: list[dict]) -> str:
                 label = fmt if b == 1 else f"{fmt}, {b} requests"
                 lines.append(f"| {label} | {th} | " + " | ".join(cells) + " | " + " | ".join(f"{x:.1f}" for x in split)
                              + " |")
+        lines += _rate_table([r for r in rows if r["context"] == ctx], ms)
     return "\n".join(lines)
+
+
+def _rate_table(rows: list[dict], ms: list[int]) -> list[str]:
+    """The layer linears' rate at each M, GMAC/s a core, beside the kernel's cache-resident ceiling."""
+    if not any("linear_gmacs_per_core" in r for r in rows):
+        return []
+    lines = ["", "layer linears, GMAC/s a core (their multiply-adds over their profiled time), and the kernel's "
+             "ceiling: the same kernel on cache-resident weights, 1 thread (bench step-cost's kernel_ceiling)",
+             "| weights | threads | " + " | ".join(f"M={m}" for m in ms) + " | ceiling |",
+             "|---|---|" + "---|" * (len(ms) + 1)]
+    for fmt, b in dict.fromkeys((r["format"], r.get("requests", 1)) for r in rows):
+        for th in sorted({r["threads"] for r in rows}):
+            pts = {r["rows"]: r for r in rows
+                   if r["format"] == fmt and r.get("requests", 1) == b and r["threads"] == th}
+            if not pts:
+                continue
+            cells = [f"{pts[m]['linear_gmacs_per_core']:.1f}" if m in pts else "" for m in ms]
+            ceiling = next((r["ceiling"] for r in pts.values() if "ceiling" in r), None)
+            c = (f"{ceiling['gmacs_per_core']:.1f} ({ceiling['bits']}-bit codes, {ceiling['rows']} x "
+                 f"{ceiling['columns']} x {ceiling['inputs']})" if ceiling else "n/a")
+            label = fmt if b == 1 else f"{fmt}, {b} requests"
+            lines.append(f"| {label} | {th} | " + " | ".join(cells) + f" | {c} |")
+    return lines
 
 
 def plot(rows: list[dict], path: str, title: str) -> None:

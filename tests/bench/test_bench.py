@@ -160,6 +160,35 @@ def test_step_cost_bench(tmp_path):
     assert os.path.getsize(os.path.join(out, "step_cost.png")) > 1000
 
 
+def test_step_cost_reports_the_linears_rate_beside_the_kernels_ceiling(tmp_path, capsys):
+    """Each M's layer-linear rate in GMAC/s a core, from the layers' own shapes, and the ceiling:
+    the model's largest linear's own kernel on cache-resident weights, in the same run."""
+    from tests.models.gguf_builder import write_tiny_llama_gguf
+    from draftwise import LLM, kernels
+    from draftwise.bench.step_cost import kernel_ceiling, layer_linear_macs
+    linears = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+    path = write_tiny_llama_gguf(str(tmp_path / "t-Q4_K.gguf"), {n: "Q4_K" for n in linears}, tokenizer=True)
+    llm = LLM(path, max_model_len=64)
+    model = llm.engine.worker.runner.model
+    # 2 layers: q 256 + k, v 2 x 128 (2 KV heads of 64), o 256, gate and up 2 x 512, down 512 -> 256
+    assert layer_linear_macs(model) == 2 * (256 * 512 + 256 * 256 + 256 * 1024 + 512 * 256)
+    ceiling = kernel_ceiling(model, seconds=0.05)
+    if kernels.load() is None:
+        assert ceiling is None
+    else:
+        # gate and up (256 -> 1024) is the largest
+        assert ceiling["bits"] == 4 and ceiling["gmacs_per_core"] > 0 and ceiling["inputs"] == 256
+    del llm
+    out = str(tmp_path / "sc")
+    assert main(["bench", "step-cost", "--model", path, "--formats", "gguf", "--threads", "1", "--rows", "1,2",
+                 "--contexts", "8", "--repeats", "1", "--out", out]) == 0
+    rows = json.load(open(os.path.join(out, "step_cost.json")))["rows"]
+    assert all(r["linear_gmacs_per_core"] > 0 and r["linear_gmac"] == r["rows"] * layer_linear_macs(model) / 1e9
+               for r in rows)
+    table = capsys.readouterr().out
+    assert "GMAC/s a core" in table and ("4-bit codes, 16 x 256 x 256" in table or kernels.load() is None)
+
+
 def test_step_cost_times_a_draft_models_token(tmp_path, capsys):
     model, draft = str(tmp_path / "m"), str(tmp_path / "d")
     make_tiny_hf(model)
