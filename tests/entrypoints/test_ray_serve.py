@@ -83,6 +83,19 @@ def test_two_replicas_on_two_nodes(dp_server):
     assert len({r["pid"] for r in info.values()}) == 2
 
 
+def test_a_shared_system_prompt_spreads_over_both_replicas(dp_server):
+    # before the conversations test, which stops this server
+    url = dp_server.url
+    system = {"role": "system", "content": "You are a careful assistant who answers in one short sentence. " * 4}
+    before = routed(url)
+    with ThreadPoolExecutor(4) as ex:
+        list(ex.map(lambda i: chat(url, [system, {"role": "user", "content": f"What is {i} plus {i}?"}], 4),
+                    range(40)))
+    after = routed(url)
+    share = {r: after.get(r, 0) - before.get(r, 0) for r in after}
+    assert sum(share.values()) == 40 and max(share.values()) <= 0.75 * 40, share
+
+
 def conversations(url: str, n: int = 16, turns: int = 4, by_user: bool = True) -> None:
     """n conversations of `turns` turns each, 8 at a time; half name their session with the
     `user` field, half with the x-session-id header."""
@@ -132,18 +145,6 @@ def fresh_server(model_dir, ray_cluster):
     wait_for(lambda: len(replicas(srv.url)) == 2, 30, "both replicas to report")
     yield srv
     srv.stop()
-
-
-def test_a_shared_system_prompt_spreads_over_both_replicas(fresh_server):
-    url = fresh_server.url
-    system = {"role": "system", "content": "You are a careful assistant who answers in one short sentence. " * 4}
-    before = routed(url)
-    with ThreadPoolExecutor(4) as ex:
-        list(ex.map(lambda i: chat(url, [system, {"role": "user", "content": f"What is {i} plus {i}?"}], 4),
-                    range(40)))
-    after = routed(url)
-    share = {r: after.get(r, 0) - before.get(r, 0) for r in after}
-    assert sum(share.values()) == 40 and max(share.values()) <= 0.75 * 40, share
 
 
 def stream_one(url: str, i: int, model: str = NAME) -> dict:
