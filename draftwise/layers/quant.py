@@ -18,6 +18,10 @@ multiplied in fp32 (the CPU kernels' packing is CPU-only).
 """
 from __future__ import annotations
 
+import contextlib
+import logging
+import os
+
 import torch
 from torch import nn
 
@@ -27,6 +31,8 @@ from draftwise.formats import block_format, decode
 from draftwise.kernels import (affine_linear, amx, high_bits_for, int4_linear, int8_linear, load, pack_affine,
                                pack_int4, pack_int8, unpack_affine, unpack_int4, unpack_int8)
 from draftwise.layers.linear import TransposedLinear
+
+logger = logging.getLogger("draftwise")
 
 QUANTIZATION_MODES = ("int8", "int4")      # re-quantization; "gguf" models are built by the loader
 
@@ -177,30 +183,64 @@ def quantize_model(model: nn.Module, mode: str, source=None,
     return counts
 
 
-def requantize_linears(model: nn.Module, kind: str) -> int:
+def requantize_linears(model: nn.Module, kind: str, cache: str | None = None) -> int:
     """Re-quantize every linear of `model` (quantized or dense) to the GGUF block type `kind` with
     llama.cpp's reference quantizer (`gguf.quants`), run by the same kernels as a file's own blocks.
     For a draft model, whose weights only propose tokens: a smaller type reads faster, and the
     target's verification keeps outputs unchanged. Linears whose input size does not split into
-    the type's blocks stay as they are. Returns the number re-quantized."""
+    the type's blocks stay as they are. `cache`: a safetensors file of the blocks by module name -
+    read where it has them (the quantizer is deterministic, so they are the bytes it would make;
+    numpy's quantizer takes ~10 s for a 0.5B model at every start otherwise), written when any had
+    to be made. Returns the number re-quantized."""
     from gguf import GGMLQuantizationType
     from gguf.quants import quantize
     if kind not in REQUANTIZE_TYPES:
         raise ValueError(f"cannot re-quantize to {kind!r}; choose one of {', '.join(REQUANTIZE_TYPES)}")
-    block = block_format(kind).block_size
-    done = 0
+    fmt = block_format(kind)
+    stored, made, done = _read_blocks(cache), {}, 0
     for name, child in list(model.named_modules()):
         for cname, sub in list(child.named_children()):
             if not isinstance(sub, (nn.Linear, _QuantizedLinear)):
                 continue
-            w = (sub.dequantize() if isinstance(sub, _QuantizedLinear) else sub.weight).detach().float()
-            if w.shape[1] % block or w.shape[0] % 16:
+            shape = (sub.out_features, sub.in_features)
+            if shape[1] % fmt.block_size or shape[0] % 16:
                 continue
-            raw = quantize(w.numpy(), GGMLQuantizationType[kind])
             full = f"{name}.{cname}" if name else cname
-            setattr(child, cname, exact_linear([decode(kind, raw, tuple(w.shape))], _linear_bias(sub), full))
+            raw = stored.get(full)
+            if raw is None or raw.shape != (shape[0], shape[1] // fmt.block_size * fmt.type_size):
+                w = (sub.dequantize() if isinstance(sub, _QuantizedLinear) else sub.weight).detach().float()
+                raw = made[full] = quantize(w.numpy(), GGMLQuantizationType[kind])
+            setattr(child, cname, exact_linear([decode(kind, raw, shape)], _linear_bias(sub), full))
             done += 1
+    if cache is not None and made:
+        _write_blocks(cache, {**stored, **made})
     return done
+
+
+def _read_blocks(path: str | None) -> dict:
+    """The re-quantized blocks stored at `path`, by module name; none where it is absent or unreadable."""
+    if path is None or not os.path.exists(path):
+        return {}
+    from safetensors.numpy import load_file
+    try:
+        return load_file(path)
+    except Exception as e:     # noqa: BLE001 - a cut or foreign file: quantize again and replace it
+        logger.warning("re-quantized weights in %s could not be read (%s); quantizing again", path, e)
+        return {}
+
+
+def _write_blocks(path: str, blocks: dict) -> None:
+    """`blocks` into a safetensors file at `path`, whole or not at all (written aside, then renamed)."""
+    from safetensors.numpy import save_file
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    try:
+        save_file(blocks, tmp)
+        os.replace(tmp, path)
+    except OSError as e:       # a full or read-only disk costs the next start the quantizer, nothing more
+        logger.warning("re-quantized weights not cached in %s (%s)", path, e)
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
 
 
 def exact_linear(parts, bias, name: str) -> nn.Module:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import glob
+import hashlib
 import json
 import logging
 import os
@@ -214,6 +215,17 @@ def load_tokenizer(path: str):
         return None
 
 
+def requantized_cache(path: str, kind: str) -> str:
+    """Where a model's linears re-quantized to `kind` are kept between starts: keyed by the source
+    file or folder (its real path, size and modification time: a replaced file is quantized anew)
+    and the quantizer's version."""
+    from importlib.metadata import version
+    real = os.path.realpath(path)
+    st = os.stat(real)
+    key = hashlib.sha256(f"{real}|{st.st_size}|{st.st_mtime_ns}|{kind}|gguf {version('gguf')}".encode()).hexdigest()
+    return os.path.join(cache_dir(), "requantized", f"{os.path.basename(real)}-{kind}-{key[:16]}.safetensors")
+
+
 def load_draft_model(name: str, target_cfg: ModelConfig, target_dir: str, dtype: torch.dtype, device: str,
                      max_position: int, fused: bool, requantize: str | None = None):
     """A draft model for speculative decoding (spec_decode/draft_model.py): a packaged model's short
@@ -235,7 +247,7 @@ def load_draft_model(name: str, target_cfg: ModelConfig, target_dir: str, dtype:
         raise ValueError(f"draft model {name!r} has another tokenizer than the target (the same vocabulary "
                          "size, different tokens): a draft model must share the target's tokenizer")
     if requantize is not None:
-        requantize_linears(model, requantize)
+        requantize_linears(model, requantize, cache=requantized_cache(gguf_path_for(name) or name, requantize))
         quantization = "gguf"
     if quantization is not None and fused and hasattr(model, "layers"):
         enable_fused_layers(model)

@@ -1,6 +1,8 @@
 """Draft-model speculation: lossless greedy decoding, the draft model's KV kept in step with the
 target's accepted tokens (roll-back, skipped steps, prefix-cache hits, preemption), trees, hybrid,
 sampling distributions, and the errors a user gets for a model that cannot draft."""
+import os
+
 import pytest
 
 from tests.helpers import make_tiny_hf
@@ -262,20 +264,52 @@ def test_requantize_linears_matches_llamas_reference_quantizer():
         requantize_linears(m, "Q2_K")
 
 
-def test_a_gguf_draft_model_re_quantized_at_load_is_lossless(tmp_path):
+def test_requantized_blocks_are_cached_and_reread_as_the_quantizer_made_them(tmp_path, monkeypatch, caplog):
+    """The blocks a start quantizes are kept (one safetensors file) and the next start reads them
+    instead of quantizing: the same bytes, the quantizer not called; a cut file is quantized again."""
+    import torch
+    from gguf import quants
+    from draftwise.layers.quant import requantize_linears
+
+    def model():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.Linear(32, 16, bias=False))
+    cache = str(tmp_path / "c" / "m-Q4_0.safetensors")
+    first = model()
+    assert requantize_linears(first, "Q4_0", cache=cache) == 2
+    calls = []
+    real = quants.quantize
+    monkeypatch.setattr(quants, "quantize", lambda *a: calls.append(a) or real(*a))
+    again = model()
+    assert requantize_linears(again, "Q4_0", cache=cache) == 2 and calls == []
+    for a, b in zip(first, again):
+        assert torch.equal(a.dequantize(), b.dequantize())
+    with open(cache, "r+b") as f:                     # cut mid-file
+        f.truncate(100)
+    with caplog.at_level("WARNING", logger="draftwise"):
+        third = model()
+        assert requantize_linears(third, "Q4_0", cache=cache) == 2 and len(calls) == 2
+    assert "could not be read" in caplog.text and torch.equal(third[0].dequantize(), first[0].dequantize())
+    assert requantize_linears(model(), "Q4_0", cache=cache) == 2 and len(calls) == 2    # rewritten whole
+
+
+def test_a_gguf_draft_model_re_quantized_at_load_is_lossless(tmp_path, monkeypatch):
     from tests.models.gguf_builder import write_tiny_llama_gguf
     q8 = {k: "Q8_0" for k in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")}
     target = write_tiny_llama_gguf(str(tmp_path / "t.gguf"), q8, hidden=128, layers=2, inter=256, vocab=256)
     draft = write_tiny_llama_gguf(str(tmp_path / "d.gguf"), q8, hidden=128, layers=1, inter=256, vocab=256, seed=3)
     prompts = [{"prompt_token_ids": p} for p in PROMPTS]
     ref = _ids(LLM(target, block_size=4, max_model_len=128).generate(prompts, EXACT_STEPS))
-    for spec in (_spec(draft, quantization="q4_0"), _spec(target, quantization="Q4_0")):
+    monkeypatch.setenv("DRAFTWISE_CACHE", str(tmp_path / "cache"))
+    for spec in (_spec(draft, quantization="q4_0"), _spec(target, quantization="Q4_0"),
+                 _spec(draft, quantization="q4_0")):     # the last from the re-quantized blocks kept
         llm = LLM(target, block_size=4, max_model_len=128, speculative_config=spec)
         assert _ids(llm.generate(prompts, EXACT_STEPS)) == ref
         assert llm.engine.spec_config.quantization == "Q4_0"
         lin = llm.engine.worker.proposer.draft.layers[0].mlp.down_proj
         assert lin.dequantize().shape == (128, 256)
         assert llm.get_metrics()["spec_decode"]["num_drafts"] > 0
+    assert len(os.listdir(tmp_path / "cache" / "requantized")) == 2
     with pytest.raises(ValueError, match="must be one of Q4_0"):
         LLM(target, speculative_config=_spec(draft, quantization="int3"))
     with pytest.raises(ValueError, match="applies to method 'draft_model' only"):
