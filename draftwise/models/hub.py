@@ -18,12 +18,15 @@ import contextlib
 import errno
 import logging
 import os
+import re
 import struct
 import sys
+import warnings
 from dataclasses import dataclass
 
 DEFAULT_ENDPOINT = "https://huggingface.co"
 CONNECT_TIMEOUT_S = 10.0          # a machine without a network fails in seconds, not minutes
+NO_SPACE_WARNING = "Not enough free disk space"   # huggingface_hub's warning before a file that will not fit
 HEADER_BYTES = 1 << 16            # a GGUF's architecture key sits in its first few hundred bytes
 
 
@@ -105,6 +108,13 @@ def hub_errors(repo: str, opts: HubOptions, what: str = ""):
             raise HubError(f"{repo}: the Hub refused access ({status}): set HF_TOKEN (or --hf-token) to a token "
                            "that may read it") from None
         raise HubError(f"{where}: the Hub answered {status or 'an error'} ({str(e).splitlines()[0][:160]})") from None
+    except UserWarning as e:
+        if not str(e).startswith(NO_SPACE_WARNING):
+            raise
+        sizes = re.findall(r"([\d.]+ MB)", str(e))
+        need = f" (needs {sizes[0]}, {sizes[1]} free)" if len(sizes) == 2 else ""
+        raise HubError(f"not enough free disk space to fetch {where} into {hub_cache()}{need}: free space (or point "
+                       "HF_HUB_CACHE elsewhere), then run again") from None
     except OSError as e:
         if e.errno == errno.ENOSPC:
             raise HubError(f"the disk is full while fetching {where} into {hub_cache()}: free space (or point "
@@ -173,7 +183,10 @@ def fetch(repo: str, files: list[str], opts: HubOptions) -> list[str]:
     paths = []
     with _progress(opts):
         for f in files:
-            with hub_errors(repo, opts, f):
+            # huggingface_hub warns that a file will not fit, then writes until the disk is full:
+            # its warning, made an error, stops the fetch before the first byte
+            with hub_errors(repo, opts, f), warnings.catch_warnings():
+                warnings.filterwarnings("error", message=NO_SPACE_WARNING, category=UserWarning)
                 paths.append(hf_hub_download(repo, f, revision=opts.revision, token=_token(opts),
                                              endpoint=endpoint(), cache_dir=hub_cache(),
                                              local_files_only=is_offline(opts), etag_timeout=CONNECT_TIMEOUT_S))

@@ -115,6 +115,41 @@ def test_a_cut_download_resumes_and_a_failed_one_leaves_no_model(local_hub):
         assert a.read() == b.read()
 
 
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 2 MB filesystem (tmpfs), where this process may mount one (root in a container)."""
+    where = tmp_path / "small"
+    where.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(where)], capture_output=True).returncode:
+        pytest.skip("cannot mount a small tmpfs here (not root)")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", str(where)], capture_output=True)
+
+
+def test_a_full_disk_fails_in_one_line_naming_the_cache(local_hub, small_disk, monkeypatch):
+    """The cache on a 2 MB filesystem and a 12 MB file to fetch: one HubError before the first byte,
+    saying how much it needs and where, no warning or traceback, nothing left that looks like the
+    model (written before the first byte); a write that fills the disk (a size not known beforehand)
+    says so too."""
+    import warnings
+    from draftwise.models.hub import hub_errors
+    monkeypatch.setenv("HF_HUB_CACHE", str(small_disk / "hf"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(HubError, match=r"not enough free disk space to fetch .*big-F32\.gguf into .*small/hf "
+                                           r"\(needs 12\.\d+ MB, 2\.\d+ MB free\)"):
+            resolve_model("tiny-org/Big-GGUF")
+    assert not any(f.endswith(".gguf") for f in cached_files(str(small_disk / "hf")))
+    with pytest.raises(HubError, match="the disk is full while fetching"):
+        with hub_errors("tiny-org/Big-GGUF", HubOptions(), "big-F32.gguf"):
+            with open(small_disk / "filler", "wb") as f:
+                f.write(b"\0" * (3 << 20))
+                f.flush()
+                os.fsync(f.fileno())
+
+
 def run_cli(*args, env_extra=None, timeout=240):
     env = {**os.environ, **(env_extra or {})}
     return subprocess.run([sys.executable, "-m", "draftwise.entrypoints.cli", *args], capture_output=True,
