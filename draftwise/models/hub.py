@@ -178,11 +178,14 @@ def repo_files(repo: str, opts: HubOptions) -> dict[str, int | None]:
 
 def fetch(repo: str, files: list[str], opts: HubOptions) -> list[str]:
     """Local paths of `files` from `repo` at the options' revision, fetched into the standard cache
-    where missing (resumed where a previous run was cut off), in the given order."""
+    where missing (resumed where a previous run was cut off: fetch_blob), in the given order."""
     from huggingface_hub import hf_hub_download
     paths = []
     with _progress(opts):
         for f in files:
+            if not is_offline(opts):
+                with hub_errors(repo, opts, f):
+                    fetch_blob(repo, f, opts)
             # huggingface_hub warns that a file will not fit, then writes until the disk is full:
             # its warning, made an error, stops the fetch before the first byte
             with hub_errors(repo, opts, f), warnings.catch_warnings():
@@ -191,6 +194,86 @@ def fetch(repo: str, files: list[str], opts: HubOptions) -> list[str]:
                                              endpoint=endpoint(), cache_dir=hub_cache(),
                                              local_files_only=is_offline(opts), etag_timeout=CONNECT_TIMEOUT_S))
     return paths
+
+
+DOWNLOAD_TRIES = 5                # body requests per file and run, each resuming where the last stopped
+PARTIAL_SUFFIX = ".draftwise-partial"
+
+
+def fetch_blob(repo: str, filename: str, opts: HubOptions) -> None:
+    """The file's blob (`blobs/<etag>` of the repo's cache folder), fetched where neither it nor
+    the revision's pointer to it is cached, into `<etag>.draftwise-partial` resumed by HTTP Range
+    from what an earlier try or run left there (huggingface_hub 2.x deletes a cut run's partial
+    file, so the next run would start over), then renamed into place; hf_hub_download then only
+    links it into the snapshot. Under huggingface_hub's own per-blob lock: two processes fetch a
+    file once. A file whose every try of this run is cut raises; its bytes stay for the next run."""
+    import httpx
+    from filelock import FileLock
+    from huggingface_hub import get_hf_file_metadata, hf_hub_url, try_to_load_from_cache
+    from huggingface_hub.utils import build_hf_headers
+    if isinstance(try_to_load_from_cache(repo, filename, cache_dir=hub_cache(), revision=opts.revision), str):
+        return
+    url = hf_hub_url(repo, filename, revision=opts.revision, endpoint=endpoint())
+    meta = get_hf_file_metadata(url, token=_token(opts), timeout=CONNECT_TIMEOUT_S)
+    if meta.etag is None or meta.size is None:
+        return                         # huggingface_hub's own path decides
+    blob = os.path.join(repo_folder(repo), "blobs", meta.etag)
+    lock = os.path.join(hub_cache(), ".locks", os.path.basename(repo_folder(repo)), f"{meta.etag}.lock")
+    os.makedirs(os.path.dirname(blob), exist_ok=True)
+    os.makedirs(os.path.dirname(lock), exist_ok=True)
+    partial = blob + PARTIAL_SUFFIX
+    headers = build_hf_headers(token=_token(opts))
+    with FileLock(lock):
+        if os.path.exists(blob):
+            return
+        _check_space(partial, meta.size)
+        for _ in range(DOWNLOAD_TRIES):
+            have = os.path.getsize(partial) if os.path.exists(partial) else 0
+            if have >= meta.size:
+                break
+            try:
+                _stream_into(partial, meta.location or url, headers, have, filename)
+            except (httpx.TransportError, ConnectionError, TimeoutError):
+                continue
+        got = os.path.getsize(partial) if os.path.exists(partial) else 0
+        if got != meta.size:
+            raise HubError(f"{repo}/{filename}: the download was cut {DOWNLOAD_TRIES} times ({got / 1e6:.1f} of "
+                           f"{meta.size / 1e6:.1f} MB kept in {hub_cache()}); run again to resume")
+        os.replace(partial, blob)
+
+
+def _check_space(partial: str, size: int) -> None:
+    """A warning as huggingface_hub words it (hub_errors turns it into one line) where the rest of
+    the file will not fit on the cache's disk."""
+    import shutil
+    have = os.path.getsize(partial) if os.path.exists(partial) else 0
+    free = shutil.disk_usage(os.path.dirname(partial)).free
+    if free < size - have:
+        raise UserWarning(f"{NO_SPACE_WARNING} to download the file. The expected file size is: "
+                          f"{(size - have) / 1e6:.2f} MB. The target location only has {free / 1e6:.2f} MB free.")
+
+
+def _stream_into(path: str, url: str, headers: dict, have: int, name: str) -> None:
+    """The body of `url` from byte `have` on, appended to `path` (from the start where the server
+    does not honour the range)."""
+    import httpx
+    from huggingface_hub.utils import hf_raise_for_status
+    from huggingface_hub.utils import tqdm as hf_tqdm
+    rng = {"Range": f"bytes={have}-"} if have else {}
+    timeout = httpx.Timeout(CONNECT_TIMEOUT_S, read=60.0)
+    with httpx.Client(follow_redirects=True, timeout=timeout) as client, \
+            client.stream("GET", url, headers={**headers, **rng}) as r:
+        if r.status_code >= 400:
+            r.read()
+            hf_raise_for_status(r)
+        start = have if r.status_code == 206 else 0
+        total = start + int(r.headers.get("Content-Length", 0)) or None
+        # huggingface_hub's bar: shown or hidden as _progress set it for the run
+        with open(path, "ab" if start else "wb") as f, \
+                hf_tqdm(total=total, initial=start, unit="B", unit_scale=True, desc=os.path.basename(name)) as bar:
+            for chunk in r.iter_bytes():           # as received: a cut keeps every byte that came
+                f.write(chunk)
+                bar.update(len(chunk))
 
 
 def read_head(repo: str, filename: str, opts: HubOptions, n: int = HEADER_BYTES) -> bytes | None:

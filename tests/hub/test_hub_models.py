@@ -94,25 +94,33 @@ def test_an_unsupported_architecture_is_refused_before_the_download(local_hub):
     assert local_hub.fetched("tiny-org/Custom-Code") == ["config.json"]
 
 
-def test_a_cut_download_resumes_and_a_failed_one_leaves_no_model(local_hub):
-    """The network goes away 10.5 MB into a 12 MB file: the client resumes from the 10 MB it kept
-    (huggingface_hub writes whole 10 MB chunks; `Range: bytes=10485760-`). When every try of a run
-    is cut, the run fails with one line, nothing in the cache looks like the file, and the next run
-    fetches it whole (huggingface_hub 2.x keeps a run's partial file private to that run)."""
-    big = lambda: [r for m, p, r in local_hub.requests if m == "GET" and p.endswith("/big-F32.gguf")]  # noqa: E731
-    local_hub.cut_after["big-F32.gguf"] = (21 << 19, 1)
+def test_a_cut_download_resumes_in_the_run_and_in_the_next_one(local_hub):
+    """The network goes away 10.5 MB into a 12 MB file: the fetch resumes from the bytes it kept
+    (`Range: bytes=11010048-`). When every try of a run is cut, the run fails with one line, nothing
+    in the cache looks like the file, and the next run resumes from where the last one stopped
+    instead of starting over (huggingface_hub 2.x alone deletes a cut run's bytes)."""
+    from draftwise.models.hub import DOWNLOAD_TRIES
+    big = lambda: [r for m, p, r in local_hub.requests if m == "GET" and p.endswith("/big-F32.gguf")  # noqa: E731
+                   and r != "bytes=0-65535"]           # (not the read of the header that names the architecture)
+    cut = 21 << 19
+    local_hub.cut_after["big-F32.gguf"] = (cut, 1)
     first = resolve_model("tiny-org/Big-GGUF")
-    assert big()[-1] == f"bytes={10 << 20}-", big()
+    assert big() == [None, f"bytes={cut}-"], big()
     with open(first.path, "rb") as a, open(local_hub.paths["big"], "rb") as b:
         assert a.read() == b.read()
     shutil.rmtree(local_hub.cache)
-    local_hub.cut_after["big-F32.gguf"] = (21 << 19, 6)     # as many cuts as the client tries in one run
+    local_hub.requests.clear()
+    local_hub.cut_after["big-F32.gguf"] = (cut, DOWNLOAD_TRIES)     # every try of one run
     with pytest.raises(HubError, match="big-F32.gguf.*run again"):
         resolve_model("tiny-org/Big-GGUF")
+    assert len(big()) == DOWNLOAD_TRIES
     assert not any(f.endswith(".gguf") for f in cached_files(local_hub.cache))
+    local_hub.requests.clear()
     again = resolve_model("tiny-org/Big-GGUF")
+    assert big() == [f"bytes={cut}-"], big()              # the next run: only the missing part
     with open(again.path, "rb") as a, open(local_hub.paths["big"], "rb") as b:
         assert a.read() == b.read()
+    assert not any(f.endswith(".draftwise-partial") for _, _, fs in os.walk(local_hub.cache) for f in fs)
 
 
 @pytest.fixture
