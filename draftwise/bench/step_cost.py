@@ -29,7 +29,7 @@ import time
 import torch
 
 from draftwise import LLM
-from draftwise.kernels import HIGH_BITS, forced_isa, isa, load, row_argmax
+from draftwise.kernels import HIGH_BITS, code_bits, forced_isa, isa, load, row_argmax
 from draftwise.layers.quant import GroupAffineLinear
 from draftwise.machine import isa_summary
 from draftwise.models.loader import DEFAULT_MODEL
@@ -158,7 +158,7 @@ def kernel_ceiling(model, seconds: float = 0.5) -> dict | None:
     finally:
         torch.set_num_threads(threads)
     macs = CEILING_ROWS * n * 16 * x.shape[1]
-    return {"gmacs_per_core": macs / per_call / 1e9, "bits": {64: 4, 80: 5, 96: 6, 128: 8}.get(codes.shape[2]),
+    return {"gmacs_per_core": macs / per_call / 1e9, "bits": code_bits(codes),
             "rows": CEILING_ROWS, "columns": n * 16, "inputs": x.shape[1]}
 
 
@@ -211,7 +211,6 @@ def _measure(llm, fmt: str, threads: list[int], rows: list[int], contexts: list[
                 row["linear_gmac"] = macs * m * requests / 1e9
                 row["linear_gmacs_per_core"] = row["linear_gmac"] / max(row["linears_ms"] / 1e3, 1e-9) / th
                 if ceiling is not None:
-                    row["ceiling_gmacs_per_core"] = ceiling["gmacs_per_core"]
                     row["ceiling"] = ceiling
                 row["sampling_ms"] = best_sample * 1e3
                 if draft_ms is not None:
@@ -247,22 +246,17 @@ def format_table(rows: list[dict]) -> str:
         lines.append("| weights | threads | " + " | ".join(f"M={m}" for m in ms)
                      + " | linears | attention | other ops | python | LM head | sampling |")
         lines.append("|---|---|" + "---|" * (len(ms) + 6))
-        for fmt, b in dict.fromkeys((r["format"], r.get("requests", 1)) for r in rows):
-            for th in sorted({r["threads"] for r in rows}):
-                pts = {r["rows"]: r for r in rows if r["format"] == fmt and r.get("requests", 1) == b
-                       and r["threads"] == th and r["context"] == ctx}
-                if not pts:
-                    continue
-                base = pts[ms[0]]["step_ms"]
-                cells = [f"{pts[m]['step_ms']:.1f}" + (f" ({pts[m]['step_ms'] / base:.2f}x)" if m != ms[0] else "")
-                         for m in ms]
-                big = pts[ms[-1]]
-                split = [big["linears_ms"], big["attention_ms"], big["other ops_ms"], big["python / dispatch_ms"],
-                         big["lm_head_ms"], big["sampling_ms"]]
-                label = fmt if b == 1 else f"{fmt}, {b} requests"
-                lines.append(f"| {label} | {th} | " + " | ".join(cells) + " | " + " | ".join(f"{x:.1f}" for x in split)
-                             + " |")
-        lines += _rate_table([r for r in rows if r["context"] == ctx], ms)
+        at_ctx = [r for r in rows if r["context"] == ctx]
+        for label, th, pts in _series(at_ctx):
+            base = pts[ms[0]]["step_ms"]
+            cells = [f"{pts[m]['step_ms']:.1f}" + (f" ({pts[m]['step_ms'] / base:.2f}x)" if m != ms[0] else "")
+                     for m in ms]
+            big = pts[ms[-1]]
+            split = [big["linears_ms"], big["attention_ms"], big["other ops_ms"], big["python / dispatch_ms"],
+                     big["lm_head_ms"], big["sampling_ms"]]
+            lines.append(f"| {label} | {th} | " + " | ".join(cells) + " | " + " | ".join(f"{x:.1f}" for x in split)
+                         + " |")
+        lines += _rate_table(at_ctx, ms)
     return "\n".join(lines)
 
 
@@ -274,19 +268,23 @@ def _rate_table(rows: list[dict], ms: list[int]) -> list[str]:
              "ceiling: the same kernel on cache-resident weights, 1 thread (bench step-cost's kernel_ceiling)",
              "| weights | threads | " + " | ".join(f"M={m}" for m in ms) + " | ceiling |",
              "|---|---|" + "---|" * (len(ms) + 1)]
+    for label, th, pts in _series(rows):
+        cells = [f"{pts[m]['linear_gmacs_per_core']:.1f}" if m in pts else "" for m in ms]
+        ceiling = next((r["ceiling"] for r in pts.values() if "ceiling" in r), None)
+        c = (f"{ceiling['gmacs_per_core']:.1f} ({ceiling['bits']}-bit codes, {ceiling['rows']} x "
+             f"{ceiling['columns']} x {ceiling['inputs']})" if ceiling else "n/a")
+        lines.append(f"| {label} | {th} | " + " | ".join(cells) + f" | {c} |")
+    return lines
+
+
+def _series(rows: list[dict]):
+    """(label, threads, {M: row}) of each weight format, batch shape and thread count among `rows`
+    (one context), in the order measured."""
     for fmt, b in dict.fromkeys((r["format"], r.get("requests", 1)) for r in rows):
         for th in sorted({r["threads"] for r in rows}):
-            pts = {r["rows"]: r for r in rows
-                   if r["format"] == fmt and r.get("requests", 1) == b and r["threads"] == th}
-            if not pts:
-                continue
-            cells = [f"{pts[m]['linear_gmacs_per_core']:.1f}" if m in pts else "" for m in ms]
-            ceiling = next((r["ceiling"] for r in pts.values() if "ceiling" in r), None)
-            c = (f"{ceiling['gmacs_per_core']:.1f} ({ceiling['bits']}-bit codes, {ceiling['rows']} x "
-                 f"{ceiling['columns']} x {ceiling['inputs']})" if ceiling else "n/a")
-            label = fmt if b == 1 else f"{fmt}, {b} requests"
-            lines.append(f"| {label} | {th} | " + " | ".join(cells) + f" | {c} |")
-    return lines
+            pts = {r["rows"]: r for r in rows if r["format"] == fmt and r.get("requests", 1) == b and r["threads"] == th}
+            if pts:
+                yield (fmt if b == 1 else f"{fmt}, {b} requests"), th, pts
 
 
 def plot(rows: list[dict], path: str, title: str) -> None:

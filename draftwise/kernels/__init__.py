@@ -42,14 +42,15 @@ class KernelModule:
     in parallel (the bindings alone include the Python and libtorch headers)."""
     name: str
     sources: tuple[str, ...]        # the kernels' units, the bindings' last
+    high_bits: str                  # where its 5- and 6-bit dot layouts keep the codes' high bits (HIGH_BITS)
     cflags: tuple[str, ...] = ()    # the AVX-512 files mark their functions themselves
 
 
-_AVX512_MODULE = KernelModule("avx512", ("avx512.cpp", "avx512_bind.cpp"))
+_AVX512_MODULE = KernelModule("avx512", ("avx512.cpp", "avx512_bind.cpp"), "masks")
 MODULES = {"amx": _AVX512_MODULE, "avx512": _AVX512_MODULE,     # AMX is chosen inside, at run time
-           "avx_vnni": KernelModule("avx_vnni", ("avx2.cpp", "avx2_bind.cpp"),
+           "avx_vnni": KernelModule("avx_vnni", ("avx2.cpp", "avx2_bind.cpp"), "shifts",
                                     (*_AVX2, "-mavxvnni", "-DDRAFTWISE_AVX_VNNI")),
-           "avx2": KernelModule("avx2", ("avx2.cpp", "avx2_bind.cpp"), tuple(_AVX2))}
+           "avx2": KernelModule("avx2", ("avx2.cpp", "avx2_bind.cpp"), "shifts", tuple(_AVX2))}
 _CPU_DIR = os.path.join(os.path.dirname(__file__), "cpu")   # the kernel sources
 _AVX512 = {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "avx512_vnni"}
 
@@ -374,7 +375,17 @@ def high_bits_for(isa_name: str | None = None) -> str:
     """The high-bit arrangement the kernels of `isa_name` (default: the running ISA) read: AVX2's
     shifts, the AVX-512 kernels' (and PyTorch's fallback) masks. Weights are packed for the ISA that
     will run them, as llama.cpp repacks its blocks per ISA at load."""
-    return "shifts" if "avx2.cpp" in MODULES.get(isa_name or isa(), _AVX512_MODULE).sources else "masks"
+    return MODULES.get(isa_name or isa(), _AVX512_MODULE).high_bits
+
+
+def step_bytes(bits: int) -> int:
+    """Bytes of one octet step of a dot layout (pack_affine) with `bits`-bit codes."""
+    return 128 if bits == 8 else 64 + 16 * (bits - 4)
+
+
+def code_bits(packed: torch.Tensor) -> int:
+    """The code width of a dot layout: step_bytes' inverse (8-bit codes are stored signed)."""
+    return 8 if packed.dtype == torch.int8 else 4 + (packed.shape[-1] - 64) // 16
 
 
 def pack_affine(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor | None, group: int, bits: int,
@@ -397,8 +408,7 @@ def pack_affine(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor 
         bits, shift = 6, 32 - offset           # stored as code - offset + 32, offset 32
     else:
         shift = 0
-    width = 128 if bits == 8 else 64 + 16 * (bits - 4)
-    packed = torch.empty(N // 16, K // 8, width, dtype=torch.int8 if bits == 8 else torch.uint8)
+    packed = torch.empty(N // 16, K // 8, step_bytes(bits), dtype=torch.int8 if bits == 8 else torch.uint8)
     # in slices of rows: the temporaries of a 150k-row LM head stay a few MB
     rows = max(16, (PACK_SLICE_BYTES // max(K, 1)) // 16 * 16)
     for r0 in range(0, N, rows):

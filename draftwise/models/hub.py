@@ -19,6 +19,7 @@ import errno
 import logging
 import os
 import re
+import shutil
 import struct
 import sys
 import warnings
@@ -75,6 +76,13 @@ def not_cached(repo: str, what: str = "") -> HubError:
                     f"hub is off (--offline / HF_HUB_OFFLINE=1): fetch it once while online with `draftwise pull {repo}`")
 
 
+def no_space(where: str, need_mb: float | None = None, free_mb: float | None = None) -> HubError:
+    """The one line for a file that will not fit in the cache's disk."""
+    need = f" (needs {need_mb:.2f} MB, {free_mb:.2f} MB free)" if need_mb is not None else ""
+    return HubError(f"not enough free disk space to fetch {where} into {hub_cache()}{need}: free space (or point "
+                    "HF_HUB_CACHE elsewhere), then run again")
+
+
 @contextlib.contextmanager
 def hub_errors(repo: str, opts: HubOptions, what: str = ""):
     """Translate huggingface_hub's and the transport's exceptions into one-line HubErrors."""
@@ -111,10 +119,8 @@ def hub_errors(repo: str, opts: HubOptions, what: str = ""):
     except UserWarning as e:
         if not str(e).startswith(NO_SPACE_WARNING):
             raise
-        sizes = re.findall(r"([\d.]+ MB)", str(e))
-        need = f" (needs {sizes[0]}, {sizes[1]} free)" if len(sizes) == 2 else ""
-        raise HubError(f"not enough free disk space to fetch {where} into {hub_cache()}{need}: free space (or point "
-                       "HF_HUB_CACHE elsewhere), then run again") from None
+        sizes = re.findall(r"([\d.]+) MB", str(e))
+        raise no_space(where, *map(float, sizes)) if len(sizes) == 2 else no_space(where) from None
     except OSError as e:
         if e.errno == errno.ENOSPC:
             raise HubError(f"the disk is full while fetching {where} into {hub_cache()}: free space (or point "
@@ -226,7 +232,12 @@ def fetch_blob(repo: str, filename: str, opts: HubOptions) -> None:
     with FileLock(lock):
         if os.path.exists(blob):
             return
-        _check_space(partial, meta.size)
+        if os.path.exists(partial) and os.path.getsize(partial) > meta.size:
+            os.remove(partial)         # not this file's bytes (the upstream file changed under one etag)
+        have = os.path.getsize(partial) if os.path.exists(partial) else 0
+        free = shutil.disk_usage(os.path.dirname(partial)).free
+        if free < meta.size - have:
+            raise no_space(f"{repo}/{filename}", (meta.size - have) / 1e6, free / 1e6)
         for _ in range(DOWNLOAD_TRIES):
             have = os.path.getsize(partial) if os.path.exists(partial) else 0
             if have >= meta.size:
@@ -240,17 +251,6 @@ def fetch_blob(repo: str, filename: str, opts: HubOptions) -> None:
             raise HubError(f"{repo}/{filename}: the download was cut {DOWNLOAD_TRIES} times ({got / 1e6:.1f} of "
                            f"{meta.size / 1e6:.1f} MB kept in {hub_cache()}); run again to resume")
         os.replace(partial, blob)
-
-
-def _check_space(partial: str, size: int) -> None:
-    """A warning as huggingface_hub words it (hub_errors turns it into one line) where the rest of
-    the file will not fit on the cache's disk."""
-    import shutil
-    have = os.path.getsize(partial) if os.path.exists(partial) else 0
-    free = shutil.disk_usage(os.path.dirname(partial)).free
-    if free < size - have:
-        raise UserWarning(f"{NO_SPACE_WARNING} to download the file. The expected file size is: "
-                          f"{(size - have) / 1e6:.2f} MB. The target location only has {free / 1e6:.2f} MB free.")
 
 
 def _stream_into(path: str, url: str, headers: dict, have: int, name: str) -> None:
