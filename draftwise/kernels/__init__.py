@@ -150,7 +150,7 @@ def _build(module: KernelModule):
         fresh = not (os.path.exists(os.path.join(directory, name + ".so")) and _read(stamp) == digest)
         if fresh:                      # one line while the compiler runs, so a first start is not silence
             print(f"draftwise: building the {module.name} CPU kernels for this machine (once after "
-                  "an install or upgrade; about a minute on 2 cores) ...", file=sys.stderr, flush=True)
+                  "an install or upgrade; 20-30 s on 2 cores) ...", file=sys.stderr, flush=True)
         mod = build(name=name, sources=[os.path.join(_CPU_DIR, f) for f in module.sources],
                     extra_include_paths=[_CPU_DIR],
                     extra_cflags=["-O3", "-fopenmp", f"-DDRAFTWISE_SOURCES={digest}", *module.cflags],

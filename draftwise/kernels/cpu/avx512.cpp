@@ -54,18 +54,23 @@ AVX512BF16 inline void load_sm(const uint16_t* sm, int g, __m512& s, __m512& m) 
   m = _mm512_fnmadd_ps(_mm512_set1_ps(128.0f), s, mn);
 }
 
-// the group scales of a Q4_1 column block for affine512's rows: the fp16 table's scale and the
-// minimum less 128 * scale (the codes were unpacked as 128 + code: load_sm)
-struct Q4Scales {
+// the scales of a column block for affine512's rows, one type for both bf16-tile linears (so each
+// row count's tile is compiled once): a Q4_1 block's fp16 table (sm: the group's scale, and its
+// minimum less 128 * scale, the codes having been unpacked as 128 + code: load_sm), or the int8
+// linear's fp32 scale per output channel (per_channel; G = 1, no minimum). A run-time branch, the
+// same for every group of a call.
+struct LinearScales {
   const uint16_t* sm;
-  bool has_min() const { return true; }
+  const float* per_channel;
+  bool has_min() const { return sm != nullptr; }
 };
 
-AVX512BF16 inline __m512 scale16(const Q4Scales& sc, int g) {
+AVX512BF16 inline __m512 scale16(const LinearScales& sc, int g) {
+  if (!sc.sm) return _mm512_loadu_ps(sc.per_channel);
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc.sm + (g * 2) * NB)));
 }
 
-AVX512BF16 inline __m512 min16(const Q4Scales& sc, int g) {
+AVX512BF16 inline __m512 min16(const LinearScales& sc, int g) {
   __m512 s, m;
   load_sm(sc.sm, g, s, m);
   return m;
@@ -288,7 +293,7 @@ torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& q8, const
           if (configured != mt) { amx_config8(mt); configured = mt; }
           rows_amx8(xb, mt, K, tile, sp + b * NB, yb, N);
         } else {
-          affine512::rows_any(mt, xb, nullptr, K, K, tile, F32Scales{sp + b * NB, nullptr, 1}, yb, N);
+          affine512::rows_any(mt, xb, nullptr, K, K, tile, LinearScales{nullptr, sp + b * NB}, yb, N);
         }
       }
     }
@@ -364,7 +369,7 @@ torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& nibbles, 
           if (configured != mt) { amx_config(mt); configured = mt; }
           rows_amx(xb, xsp + m0 * G, mt, K, tile, smb, yb, N);
         } else {
-          affine512::rows_any(mt, xb, xsp + m0 * G, K, GROUP, tile, Q4Scales{smb}, yb, N);
+          affine512::rows_any(mt, xb, xsp + m0 * G, K, GROUP, tile, LinearScales{smb, nullptr}, yb, N);
         }
       }
     }
@@ -674,16 +679,16 @@ AVX512F void attend_tile(const AttnPair* pairs, int P, int64_t max_len, const T*
     }
     mx_buf[p] = 1.0f / _mm512_reduce_add_ps(sumv);     // the pair's 1 / sum (its maximum is spent)
   }
-  if (P <= HB) {                                        // one pass of the pairs: each value row read once
-    values_any<DV, HB, T>(P, pairs, scores, stride, ValueRows<T>{vc, slots, slot_stride}, 0, max_len, acc_buf);
-  } else {
-    for (int64_t j0 = 0; j0 < max_len; j0 += VB) {
-      const int64_t j1 = std::min<int64_t>(max_len, j0 + VB);
-      widen_rows<T, DV>(vc, slots + j0, static_cast<int>(j1 - j0), slot_stride, kv);
-      for (int p0 = 0; p0 < P; p0 += HB)
-        values_any<DV, HB, float>(std::min(HB, P - p0), pairs + p0, scores + p0 * stride, stride,
-                                  ValueRows<float>{kv, nullptr, D}, j0, j1, acc_buf + p0 * D);
-    }
+  // the values VB keys at a time, widened to fp32 once for every pair (their exact values: the same
+  // sums as reading the cache's own rows). Summing straight from the cache for a tile of few pairs
+  // ran no faster (SmolLM2, Zen 4) and, instanced per cache type, cost a fifth of this file's
+  // compile time on a first start.
+  for (int64_t j0 = 0; j0 < max_len; j0 += VB) {
+    const int64_t j1 = std::min<int64_t>(max_len, j0 + VB);
+    widen_rows<T, DV>(vc, slots + j0, static_cast<int>(j1 - j0), slot_stride, kv);
+    for (int p0 = 0; p0 < P; p0 += HB)
+      values_any<DV, HB, float>(std::min(HB, P - p0), pairs + p0, scores + p0 * stride, stride,
+                                ValueRows<float>{kv, nullptr, D}, j0, j1, acc_buf + p0 * D);
   }
   for (int p = 0; p < P; ++p) {
     const __m512 invv = _mm512_set1_ps(mx_buf[p]);

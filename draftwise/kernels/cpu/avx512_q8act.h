@@ -22,23 +22,11 @@ constexpr int MT_MAX = 8;      // rows per register tile (3 zmm each)
 // slower (SmolLM2's shapes, 1 thread, Zen 5)
 constexpr int CODE_PREFETCH_BYTES = 8192;
 
-// a column block's 16 scales / minimums of group g, from each scale policy
+// 16 scales or minimums: fp32, or fp16 widened (exact)
 AVX512VNNI inline __m512 scales16(const float* p) { return _mm512_loadu_ps(p); }
 AVX512VNNI inline __m512 scales16(const uint16_t* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
-template <typename T>
-AVX512VNNI inline __m512 scale16(const affine::GroupScales<T>& sc, int g) { return scales16(sc.s + g * NB); }
-template <typename T>
-AVX512VNNI inline __m512 min16(const affine::GroupScales<T>& sc, int g) { return scales16(sc.m + g * NB); }
-AVX512VNNI inline __m512 super16(const q8act::SuperScales& sc, const uint8_t* t, int g) {
-  const uint8_t* r = t + (g / sc.gps) * sc.rec();
-  const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r)));
-  const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(r + 32 + (g % sc.gps) * NB));
-  return _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)));
-}
-AVX512VNNI inline __m512 scale16(const q8act::SuperScales& sc, int g) { return super16(sc, sc.s, g); }
-AVX512VNNI inline __m512 min16(const q8act::SuperScales& sc, int g) { return super16(sc, sc.m, g); }
 
 // one octet's codes as two unsigned byte vectors: a = inputs 0-3 of each column, b = inputs 4-7
 template <int BITS>
@@ -65,12 +53,35 @@ AVX512VNNI inline void load_step(const uint8_t* p, __m512i& a, __m512i& b) {
 
 using TiledActivations = q8act::TiledActivations<MT_MAX>;
 
+// A column block's scales and minimums, whatever the file keeps them as (fp32, fp16, or super-block
+// factors), read per group by a run-time branch (the same for every group of a call, so always
+// predicted) instead of a template parameter: a tile's code is then compiled once per bit width and
+// row count rather than once per scale policy as well, a third of this file's compile time on a
+// first start. A super-block record (q8act.h) gives d * sc, the one fp32 product; the rest are exact.
+struct BlockScales {
+  enum Kind { F32, F16, SUPER } kind;
+  const void* s;
+  const void* m;               // null where the family has no minimums
+  int gps;                     // SUPER: groups per super-block
+  static BlockScales of(const affine::F32Scales& sc) { return {F32, sc.s, sc.m, 0}; }
+  static BlockScales of(const affine::F16Scales& sc) { return {F16, sc.s, sc.m, 0}; }
+  static BlockScales of(const q8act::SuperScales& sc) { return {SUPER, sc.s, sc.m, sc.gps}; }
+  AVX512VNNI __m512 lanes(const void* t, int g) const {
+    if (kind == F16) return scales16(static_cast<const uint16_t*>(t) + g * NB);
+    if (kind == F32) return scales16(static_cast<const float*>(t) + g * NB);
+    const uint8_t* r = static_cast<const uint8_t*>(t) + (g / gps) * q8act::SuperScales::record_bytes(gps);
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r)));
+    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(r + 32 + (g % gps) * NB));
+    return _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)));
+  }
+};
+
 // the MT rows of register tile `t` (MT its height) of one column block (its codes `pk`, its scales `sc`);
 // OG = group / 8 octets per group, a compile-time constant so a group's dot products are
 // straight-line code and every row's two chains stay in registers. The first chain starts at
 // minus the group's offset term (exact integers: the same sum as subtracting it at the end)
-template <int BITS, int MT, int OG, typename S>
-AVX512VNNI void rows(const TiledActivations& ta, int t, const uint8_t* pk, const S& sc, float* y, int64_t N) {
+template <int BITS, int MT, int OG>
+AVX512VNNI void rows(const TiledActivations& ta, int t, const uint8_t* pk, const BlockScales& sc, float* y, int64_t N) {
   const int G = ta.G;
   constexpr int group = OG * q8act::OCTET;
   constexpr int64_t sb = q8act::step_bytes(BITS);
@@ -102,15 +113,15 @@ AVX512VNNI void rows(const TiledActivations& ta, int t, const uint8_t* pk, const
         ib[r] = _mm512_dpbusd_epi32(ib[r], b, _mm512_set1_epi32(xo[2 * r + 1]));
       }
     }
-    const __m512 s = scale16(sc, g);
+    const __m512 s = sc.lanes(sc.s, g);
     const int db = g * group / q8act::QBLOCK;
 #pragma GCC unroll 8
     for (int r = 0; r < MT; ++r) {
       const __m512 sd = _mm512_mul_ps(s, _mm512_set1_ps(xd[db * MT + r]));
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(ia[r], ib[r])), sd, acc[r]);
     }
-    if (sc.has_min()) {
-      const __m512 m = min16(sc, g);
+    if (sc.m) {
+      const __m512 m = sc.lanes(sc.m, g);
 #pragma GCC unroll 8
       for (int r = 0; r < MT; ++r) acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xs[g * MT + r]), acc[r]);
     }
@@ -119,22 +130,22 @@ AVX512VNNI void rows(const TiledActivations& ta, int t, const uint8_t* pk, const
   for (int r = 0; r < MT; ++r) _mm512_storeu_ps(y + static_cast<int64_t>(r) * N, acc[r]);
 }
 
-template <int BITS, int OG, typename S>
-AVX512VNNI void rows_og(int mt, const TiledActivations& ta, int t, const uint8_t* pk, const S& sc, float* y,
+template <int BITS, int OG>
+AVX512VNNI void rows_og(int mt, const TiledActivations& ta, int t, const uint8_t* pk, const BlockScales& sc, float* y,
                         int64_t N) {
   switch (mt) {
-#define CASE(n) case n: rows<BITS, n, OG, S>(ta, t, pk, sc, y, N); break;
+#define CASE(n) case n: rows<BITS, n, OG>(ta, t, pk, sc, y, N); break;
     CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8)
 #undef CASE
     default: break;
   }
 }
 
-template <int BITS, typename S>
-AVX512VNNI void rows_any(int mt, int group, const TiledActivations& ta, int t, const uint8_t* pk, const S& sc,
+template <int BITS>
+AVX512VNNI void rows_any(int mt, int group, const TiledActivations& ta, int t, const uint8_t* pk, const BlockScales& sc,
                          float* y, int64_t N) {
-  if (group == 16) rows_og<BITS, 2, S>(mt, ta, t, pk, sc, y, N);
-  else rows_og<BITS, 4, S>(mt, ta, t, pk, sc, y, N);
+  if (group == 16) rows_og<BITS, 2>(mt, ta, t, pk, sc, y, N);
+  else rows_og<BITS, 4>(mt, ta, t, pk, sc, y, N);
 }
 
 // every column block, in parallel; within a thread's share, rows in chunks whose activations stay
@@ -153,10 +164,10 @@ void column_blocks(const q8act::Activations& act, const uint8_t* codes, const S&
     for (int c0 = 0; c0 < M; c0 += q8act::ROW_CHUNK) {
       const int c1 = std::min(M, c0 + q8act::ROW_CHUNK);
       for (int64_t b = b0; b < b1; ++b) {
-        const S sc = scales.at(b);
+        const BlockScales sc = BlockScales::of(scales.at(b));
         for (int r = c0; r < c1; r += MT_MAX)
-          rows_any<BITS, S>(std::min(MT_MAX, c1 - r), act.group, ta, r / MT_MAX, codes + b * block_bytes, sc,
-                            y + static_cast<int64_t>(r) * N + b * NB, N);
+          rows_any<BITS>(std::min(MT_MAX, c1 - r), act.group, ta, r / MT_MAX, codes + b * block_bytes, sc,
+                         y + static_cast<int64_t>(r) * N + b * NB, N);
       }
     }
   });

@@ -66,7 +66,8 @@ struct SuperScales {
   const uint8_t* s;
   const uint8_t* m;             // the minimums' factors (dmin negated, m), or null
   int G, gps;
-  int64_t rec() const { return 32 + 16 * static_cast<int64_t>(gps); }
+  static int64_t record_bytes(int gps) { return 32 + 16 * static_cast<int64_t>(gps); }
+  int64_t rec() const { return record_bytes(gps); }
   SuperScales at(int64_t b) const {
     const int64_t off = b * (G / gps) * rec();
     return {s + off, m ? m + off : nullptr, G, gps};
