@@ -26,6 +26,7 @@ from draftwise.engine_args import resolve_quantization
 from draftwise.kernels import isa
 from draftwise.machine import isa_summary
 from draftwise.models.names import fetch_if_hub
+from draftwise.models.packaged import packaged_model
 from draftwise.sampling_params import StructuredOutputParams
 
 PRESETS = {
@@ -69,7 +70,9 @@ def add_bench_args(p) -> None:
                    help="the draft-model* methods' draft model: a packaged model's short name, a GGUF file or a "
                         "model directory with the target's tokenizer")
     p.add_argument("--draft-quantization", default=None,
-                   help="the draft-model* methods: re-quantize the draft model at load (Q4_0, Q4_1, Q8_0)")
+                   help="the draft-model* methods: re-quantize the draft model at load (Q4_0, Q4_1, Q8_0) or "
+                        "'none' (its own weights); default: a packaged pair's own choice (as `auto` runs it), "
+                        "else none")
     p.add_argument("--num-prompts", type=int, default=None)
     p.add_argument("--stride", type=int, default=1, help="take every n-th conversation (e.g. 10: one per MT-bench category)")
     p.add_argument("--sweep", default=None, help="comma list of batch sizes: throughput sweep instead of one run")
@@ -121,6 +124,20 @@ def _split_methods(s: str) -> list[str]:
         else:
             cur += ch
     return items + [cur]
+
+
+def draft_quantization(args) -> str | None:
+    """The draft-model methods' re-quantization: --draft-quantization ('none': the draft model's own
+    weights), else the packaged pair's (the packaged 1.5B's 0.5B drafts in Q4_0, as `auto` runs
+    it), else none."""
+    given = getattr(args, "draft_quantization", None)
+    if given:
+        return None if given.lower() == "none" else given
+    target = packaged_model(getattr(args, "model", None) or DEFAULT_MODEL)
+    draft = packaged_model(getattr(args, "draft_model", None) or "")
+    if target is not None and draft is not None and target.draft_model == draft.name:
+        return target.draft_quantization
+    return None
 
 
 def parse_methods(s: str, default_quantization: str | None = None, draft_model: str | None = None,
@@ -374,7 +391,7 @@ def run_bench(args) -> list[dict]:
     if args.num_prompts:
         convs = convs[:args.num_prompts]
     methods = parse_methods(args.methods, getattr(args, "quantization", None), getattr(args, "draft_model", None),
-                            getattr(args, "draft_quantization", None))
+                            draft_quantization(args))
     if methods[0][0] != "ar":
         methods.insert(0, ("ar", None, getattr(args, "quantization", None)))
     rounds = max(1, getattr(args, "rounds", 1) or 1)
@@ -530,7 +547,7 @@ def run_sweep(args) -> dict:
         convs = convs[:args.num_prompts]
     sizes = [int(x) for x in args.sweep.split(",")]
     methods = parse_methods(args.methods, getattr(args, "quantization", None), getattr(args, "draft_model", None),
-                            getattr(args, "draft_quantization", None))
+                            draft_quantization(args))
     if methods[0][0] != "ar":
         methods.insert(0, ("ar", None, getattr(args, "quantization", None)))
     samples: dict = {}

@@ -223,6 +223,21 @@ def test_draft_model_presets_take_the_draft_model_option():
                     "model": "qwen2.5-coder-0.5b", "quantization": "Q4_0"}
 
 
+@pytest.mark.parametrize("model,draft,given,want", [
+    ("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b", None, "Q4_0"),      # the packaged pair, as `auto` runs it
+    ("Qwen/Qwen2.5-Coder-1.5B-Instruct", "qwen2.5-coder-0.5b", None, "Q4_0"),   # the target by alias
+    ("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b", "none", None),      # its own weights, asked for
+    ("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b", "Q8_0", "Q8_0"),
+    ("qwen2.5-coder-1.5b", "/models/other-draft.gguf", None, None),  # not the packaged pair
+    (None, "qwen2.5-coder-0.5b", None, None),                        # the default target has no pair
+])
+def test_draft_model_methods_default_to_the_packaged_pairs_quantization(model, draft, given, want):
+    from types import SimpleNamespace
+    from draftwise.bench.run import draft_quantization
+    args = SimpleNamespace(model=model, draft_model=draft, draft_quantization=given)
+    assert draft_quantization(args) == want
+
+
 def test_rounds_report_medians_and_the_median_ratio_of_each_round():
     """With --rounds, tokens/s is the median over rounds and a speedup the median of the ratios
     measured within each round (a round run while the machine is slow slows every method)."""
