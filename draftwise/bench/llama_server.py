@@ -149,6 +149,25 @@ class LlamaServerPeer:
         ttft = t["prompt_ms"] / 1000.0 if t.get("prompt_ms") is not None else None
         return text, ids, PeerTiming(ttft, total, t.get("prompt_n"), n)
 
+    def prefill(self, token_ids: list[int], repeats: int) -> float:
+        """Best seconds over `repeats` for the prompt `token_ids` (raw tokens, as draftwise reads
+        them) and one new token: the request's wall clock from here, its prompt cache off."""
+        body = {"prompt": list(token_ids), "n_predict": 1, "temperature": 0.0, "cache_prompt": False, "stream": False}
+        best = float("inf")
+        for _ in range(max(1, repeats)):
+            t0 = time.perf_counter()
+            try:
+                r = self.client.post(self.url + "/completion", json=body)
+            except httpx.HTTPError as e:
+                raise PeerCrashed(f"{self.name}: no prefill answer ({type(e).__name__}): {self._tail()}") from None
+            if r.status_code != 200:
+                raise PeerCrashed(f"{self.name}: HTTP {r.status_code}: {r.text[:300]}")
+            best = min(best, time.perf_counter() - t0)
+            prompt_n = (r.json().get("timings") or {}).get("prompt_n")
+            if prompt_n is not None and prompt_n != len(token_ids):
+                raise PeerCrashed(f"{self.name}: read {prompt_n} prompt tokens of {len(token_ids)}")
+        return best
+
     def generate_batch(self, conversations):
         return [self.generate(m) for m in conversations]
 

@@ -1,11 +1,12 @@
 """Prefill speed side by side: one long prompt, one new token, time to first token.
 
     python -m draftwise.bench.prefill --tokens 1000 --threads 2 --peers openvino,llamacpp \\
-        --peer-python openvino=ov-env/bin/python
+        --peer-python openvino=ov-env/bin/python --llama-server peer/bin/llama-server
 
 The prompt is ShareGPT text (the held-out split) cut to --tokens tokens of the target's tokenizer
 and sent as a raw prompt to every engine, so each reads the same tokens. draftwise runs with prefix
-caching off (a repeat would hit the cache) and its default weights; each engine's best of
+caching off (a repeat would hit the cache) and its default weights; llama-server (--llama-server)
+gets the token ids on its /completion endpoint with its prompt cache off. Each engine's best of
 --repeats runs counts. Prints prompt tokens / time to first token per engine, and the ratio to
 draftwise."""
 from __future__ import annotations
@@ -61,6 +62,18 @@ def peer_ttft(name: str, model: str, ids: list[int], repeats: int, openvino_mode
         peer.close()
 
 
+def llama_server_ttft(binary: str, model: str, ids: list[int], repeats: int, threads: int) -> float:
+    """llama.cpp's own server's best time to first token over `ids` (started here on a free port
+    with the same GGUF file and threads)."""
+    from draftwise.bench.llama_server import LlamaServerPeer
+    server = LlamaServerPeer(binary, model, "", threads, max(2048, len(ids) + 16), 1)
+    try:
+        server.prefill(ids[:32], 1)                                      # warm-up
+        return server.prefill(ids, repeats)
+    finally:
+        server.close()
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="HuggingFaceTB/SmolLM2-135M-Instruct")
@@ -70,6 +83,8 @@ def main(argv=None) -> dict:
     p.add_argument("--peers", default="", help="comma list of openvino, llamacpp")
     p.add_argument("--openvino-model", default=None, help="an OpenVINO export (default: the model's GGUF file)")
     p.add_argument("--peer-python", default=None, help="NAME=PATH[,NAME=PATH]: the Python that has a peer")
+    p.add_argument("--llama-server", default=None,
+                   help="a llama-server binary (`draftwise bench build-peer --server`): adds its row")
     a = p.parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)
@@ -79,6 +94,8 @@ def main(argv=None) -> dict:
         if peer not in ("openvino", "llamacpp"):
             raise SystemExit(f"unknown peer {peer!r} (openvino, llamacpp)")
         times[peer] = peer_ttft(peer, a.model, ids, a.repeats, a.openvino_model, peer_pythons(a))
+    if a.llama_server:
+        times["llama-server"] = llama_server_ttft(a.llama_server, a.model, ids, a.repeats, torch.get_num_threads())
     print(f"{machine_line()}; {torch.get_num_threads()} threads; prompt {len(ids)} tokens")
     out = {}
     for name, t in times.items():

@@ -1,6 +1,6 @@
 """A stand-in for llama.cpp's `llama-server` in tests: it takes the real one's flags, answers
-`/health` and `/v1/chat/completions` (a fixed reply per prompt, with llama-server's `timings`
-object), and misbehaves on demand: FAKE_LLAMA_SERVER_DIE_AT=N exits at the Nth chat request
+`/health`, `/v1/chat/completions` (a fixed reply per prompt, with llama-server's `timings`
+object) and `/completion` (one token after a prompt of token ids), and misbehaves on demand: FAKE_LLAMA_SERVER_DIE_AT=N exits at the Nth chat request
 (a crash mid-run), FAKE_LLAMA_SERVER_HANG_AT=N never answers it, FAKE_LLAMA_SERVER_FAIL_START=1
 exits before it listens. FAKE_LLAMA_SERVER_ARGS=FILE records its command line."""
 import argparse
@@ -54,6 +54,9 @@ class Handler(BaseHTTPRequestHandler):
             os._exit(3)
         if count[0] == hang_at:
             time.sleep(3600)
+        if self.path == "/completion":           # raw token prompt, one new token (a prefill)
+            return self._json({"content": " x", "timings": {"prompt_n": len(body["prompt"]), "prompt_ms": 1.0,
+                                                             "predicted_n": 1, "predicted_ms": 1.0}})
         last = body["messages"][-1]["content"]
         reply = " ".join(last.split()[:3]) + " done"
         n = len(reply.split())

@@ -118,3 +118,14 @@ def test_build_peer_server_reuses_a_finished_build_and_names_a_failed_step(tmp_p
     with pytest.raises(ValueError, match="failed at 'pip download.*exit 7.*build.log"):
         build_llama_server(str(fresh), "avx2", python=str(broken), flags={"avx2", "fma", "f16c"})
     assert "no network here" in (fresh / "build.log").read_text()
+
+
+def test_prefill_bench_times_llama_server_on_token_ids_and_names_a_crash(tmp_path, tiny_gguf, monkeypatch):
+    from draftwise.bench.peers import PeerCrashed
+    from draftwise.bench.prefill import llama_server_ttft
+    binary = fake_binary(tmp_path)
+    ids = list(range(100, 164))
+    assert 0 < llama_server_ttft(binary, tiny_gguf, ids, 2, 1) < 60
+    monkeypatch.setenv("FAKE_LLAMA_SERVER_DIE_AT", "2")            # the warm-up answers, the timed prefill kills it
+    with pytest.raises(PeerCrashed, match="no prefill answer"):
+        llama_server_ttft(binary, tiny_gguf, ids, 2, 1)
