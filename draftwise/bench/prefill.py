@@ -18,6 +18,7 @@ import time
 import torch
 
 from draftwise import LLM, SamplingParams
+from draftwise.bench.llama_server import LlamaServerPeer
 from draftwise.bench.peers import make_peer
 from draftwise.bench.run import peer_pythons
 from draftwise.bench.step_cost import machine_line
@@ -65,7 +66,6 @@ def peer_ttft(name: str, model: str, ids: list[int], repeats: int, openvino_mode
 def llama_server_ttft(binary: str, model: str, ids: list[int], repeats: int, threads: int) -> float:
     """llama.cpp's own server's best time to first token over `ids` (started here on a free port
     with the same GGUF file and threads)."""
-    from draftwise.bench.llama_server import LlamaServerPeer
     server = LlamaServerPeer(binary, model, "", threads, max(2048, len(ids) + 16), 1)
     try:
         server.prefill(ids[:32], 1)                                      # warm-up
