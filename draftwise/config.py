@@ -280,6 +280,9 @@ class EngineConfig:
     num_kv_blocks: int | None = None      # None: what kv_cache_memory holds
     # bytes for the KV pool (target and drafter layers); None: default_kv_tokens of the model's KV
     kv_cache_memory: int | None = None
+    # the batch the default pool is sized for (None: max_num_seqs): one request at a time that
+    # keeps earlier conversations' prefixes for their next turn wants a server's pool, not one sequence's
+    kv_pool_seqs: int | None = None
     kv_cache_dtype: str = "auto"          # "auto" (the model's dtype), "float32", "bfloat16", "float16"
     dtype: str = "float32"
     device: str = "cpu"
@@ -326,6 +329,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if self.kv_pool_seqs is not None and self.kv_pool_seqs < 1:
+            raise ValueError(f"kv_pool_seqs must be >= 1, got {self.kv_pool_seqs}")
         if self.kv_cache_memory is not None and (not isinstance(self.kv_cache_memory, int) or self.kv_cache_memory < 1):
             raise ValueError(f"kv_cache_memory must be a positive number of bytes, got {self.kv_cache_memory!r}")
         if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in DTYPES:

@@ -80,6 +80,8 @@ class EngineArgs:
     kv_cache_memory: str | None = _opt(None, "memory for the KV cache, e.g. 512MiB (default: the model's KV for "
                                              "--max-num-seqs x 512 tokens plus one --max-model-len sequence, at most "
                                              "a quarter of the available memory)")
+    kv_pool_seqs: int | None = _opt(None, "size the default KV pool for this many sequences (default: --max-num-seqs): "
+                                          "more keeps more finished conversations' prefixes cached")
     kv_cache_dtype: str = _opt("auto", "KV-cache dtype; 16-bit halves its memory (auto: bfloat16 for quantized "
                                        "weights where the CPU attention kernel runs, else the model's dtype)",
                                choices=["auto", "float32", "bfloat16", "float16"])
@@ -184,7 +186,7 @@ class EngineArgs:
             distributed_executor_backend=self.distributed_executor_backend,
             async_scheduling=self.async_scheduling,
             kv_cache_memory=None if self.kv_cache_memory is None else parse_bytes(self.kv_cache_memory),
-            kv_cache_dtype=self.kv_cache_dtype,
+            kv_cache_dtype=self.kv_cache_dtype, kv_pool_seqs=self.kv_pool_seqs,
             chat_template=None if self.chat_template is None else read_chat_template(self.chat_template),
             tokenizer=None if self.tokenizer is None else resolve_tokenizer(self.tokenizer, self.hub_options()),
             generation_defaults=dict(model.generation_defaults))

@@ -8,7 +8,6 @@ from __future__ import annotations
 import dataclasses
 import gc
 import json
-import math
 import os
 import platform
 import time
@@ -23,7 +22,6 @@ from draftwise.bench.datasets import load_prompts
 from draftwise.bench.llama_server import METHODS as SERVER_METHODS
 from draftwise.bench.llama_server import LlamaServerPeer, acceptance, is_server_method, server_mode
 from draftwise.bench.peers import PeerCrashed, make_peer
-from draftwise.config import EngineConfig, default_kv_tokens
 from draftwise.engine_args import EngineArgs, resolve_quantization
 from draftwise.kernels import isa
 from draftwise.machine import isa_summary
@@ -200,19 +198,14 @@ def _chat_turns(llm_or_tok, convs, generate_fn, max_turns, batch_size, bar=None)
     return outputs
 
 
-def serving_kv_blocks(max_model_len: int | None, max_num_seqs: int) -> int:
-    """The KV pool `draftwise serve` keeps at its defaults (16 sequences and more), in blocks. The
-    bench runs one request at a time, but a server keeps finished conversations' prefixes for the
-    next turn, as llama-server keeps its prompts in RAM: the pool an engine of one sequence would
-    size (a single max_model_len sequence) evicts a conversation's first turn before its second."""
-    seqs = max(EngineArgs.max_num_seqs, max_num_seqs)
-    return math.ceil(default_kv_tokens(seqs, max_model_len or EngineConfig.max_model_len) / EngineArgs.block_size)
-
-
 def build_engine_llm(spec, args, max_num_seqs: int, quantization: str | None = None):
+    """An engine as `draftwise serve` runs at its defaults. Its KV pool is sized for the server's
+    batch even when the bench sends one request at a time: a server keeps finished conversations'
+    prefixes for the next turn, as llama-server keeps its prompts in RAM, and the pool of a
+    single sequence would evict a conversation's first turn before its second."""
     llm = LLM(args.model, max_model_len=args.max_model_len, max_num_seqs=max(1, max_num_seqs),
               speculative_config=spec, enforce_eager=args.enforce_eager,
-              quantization=quantization, num_kv_blocks=serving_kv_blocks(args.max_model_len, max_num_seqs))
+              quantization=quantization, kv_pool_seqs=EngineArgs.max_num_seqs)
     # warm up (allocator, kernels) outside the timed region
     llm.generate([{"prompt_token_ids": [1, 2, 3, 4]}], SamplingParams(temperature=0, max_tokens=4))
     return llm

@@ -202,10 +202,10 @@ class Worker:
 
     def _kv_blocks_for_budget(self) -> int:
         """Blocks of the KV pool (target and drafter layers, the KV dtype): what kv_cache_memory
-        holds, else the default token count (config.default_kv_tokens) capped at a quarter of the
-        available memory; at least one full sequence, at most four times max_num_seqs full
-        sequences (blocks beyond the running sequences keep finished prefixes for the prefix cache;
-        a small model needs no more)."""
+        holds, else the default token count (config.default_kv_tokens, for kv_pool_seqs sequences
+        or max_num_seqs) capped at a quarter of the available memory; at least one full sequence,
+        at most four times that many full sequences (blocks beyond the running sequences keep
+        finished prefixes for the prefix cache; a small model needs no more)."""
         c, m = self.config, self.model_cfg
         specs = [(m.num_key_value_heads, m.head_dim)] * m.num_hidden_layers
         if self.proposer is not None:
@@ -213,6 +213,7 @@ class Worker:
         elem = torch.empty((), dtype=c.kv_torch_dtype).element_size()
         per_block = c.block_size * sum(2 * h * d * elem for h, d in specs)
         blocks_per_seq = math.ceil((c.max_model_len + self.lookahead + 1) / c.block_size)
+        pool_seqs = max(c.max_num_seqs, c.kv_pool_seqs or 0)
         if c.kv_cache_memory is not None:
             fit = c.kv_cache_memory // per_block
             if fit < blocks_per_seq:
@@ -220,12 +221,12 @@ class Worker:
                                  f"tokens, less than one sequence of max_model_len={c.max_model_len} needs "
                                  f"({blocks_per_seq} blocks, {blocks_per_seq * per_block} bytes)")
         else:
-            fit = math.ceil(default_kv_tokens(c.max_num_seqs, c.max_model_len) / c.block_size)
+            fit = math.ceil(default_kv_tokens(pool_seqs, c.max_model_len) / c.block_size)
             avail = available_memory()
             if avail is not None:
                 fit = min(fit, avail // 4 // per_block)
             fit = max(fit, blocks_per_seq)
-        return int(min(fit, 4 * blocks_per_seq * c.max_num_seqs))
+        return int(min(fit, 4 * blocks_per_seq * pool_seqs))
 
     def _measured_step_costs(self) -> dict[int, float]:
         """Target step seconds by token count for the draft allocation and the adaptive policy:

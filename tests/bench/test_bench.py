@@ -276,12 +276,14 @@ def test_library_edits_are_real_functions_of_15_to_40_lines():
         load_prompts("library-edits:no_such_module_here", None)
 
 
-def test_bench_engines_keep_the_pool_a_server_keeps_for_the_next_turn():
+def test_bench_engines_keep_the_pool_a_server_keeps_for_the_next_turn(tiny_llama):
     """One request at a time, but the KV pool `draftwise serve` has at its defaults (16 sequences
     of 512 tokens and one max_model_len sequence), so a conversation's first turn is still cached
     when its second comes after the other conversations' first turns."""
-    from draftwise.bench.run import serving_kv_blocks
+    from types import SimpleNamespace
+    from draftwise.bench.run import build_engine_llm
     from draftwise.config import default_kv_tokens
-    assert serving_kv_blocks(None, 1) == (16 * 512 + 2048) // 16
-    assert serving_kv_blocks(None, 1) > default_kv_tokens(1, 2048) // 16        # an engine of one sequence
-    assert serving_kv_blocks(4096, 32) == (32 * 512 + 4096) // 16                # a larger batch sizes it
+    args = SimpleNamespace(model=tiny_llama[0], max_model_len=256, enforce_eager=True)
+    llm = build_engine_llm(None, args, 1)
+    assert llm.engine.config.max_num_seqs == 1
+    assert llm.engine.scheduler.allocator.num_blocks == default_kv_tokens(16, 256) // 16 > default_kv_tokens(1, 256) // 16

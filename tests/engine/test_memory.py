@@ -109,3 +109,26 @@ def test_default_kv_pool_is_capped_by_available_memory(tiny_llama, monkeypatch):
     pool = sum(t.numel() * t.element_size() for i in range(4) for t in kv.layer(i))
     assert blocks < (64 * 512 + 256) // 4                 # the default token count did not fit
     assert pool <= quarter and pool + pool // blocks > quarter
+
+
+def test_a_pool_sized_for_more_sequences_than_the_batch_keeps_the_memory_cap(tiny_llama, monkeypatch):
+    """kv_pool_seqs sizes the default pool for a server's batch while one sequence runs; the
+    quarter-of-memory cap still holds, and an explicit kv_cache_memory still wins."""
+    import draftwise.worker.worker as W
+    from draftwise.config import default_kv_tokens
+    path, _ = tiny_llama
+    small = LLM(path, block_size=4, max_model_len=256, max_num_seqs=1, quantization="int4", kv_pool_seqs=16)
+    assert small.engine.scheduler.allocator.num_blocks == default_kv_tokens(16, 256) // 4
+    quarter = 400 * 1024
+    monkeypatch.setattr(W, "available_memory", lambda: 4 * quarter)
+    capped = LLM(path, block_size=4, max_model_len=256, max_num_seqs=1, quantization="int4",
+                 kv_cache_dtype="bfloat16", kv_pool_seqs=64)
+    blocks = capped.engine.scheduler.allocator.num_blocks
+    assert blocks < default_kv_tokens(64, 256) // 4
+    kv = capped.engine.worker.runner.kv_cache
+    assert sum(t.numel() * t.element_size() for i in range(4) for t in kv.layer(i)) <= quarter
+    given = LLM(path, block_size=4, max_model_len=256, max_num_seqs=1, quantization="int4",
+                kv_cache_dtype="bfloat16", kv_pool_seqs=64, kv_cache_memory=quarter // 2)
+    assert given.engine.scheduler.allocator.num_blocks < blocks
+    with pytest.raises(ValueError, match="kv_pool_seqs"):
+        LLM(path, kv_pool_seqs=0)
