@@ -22,6 +22,16 @@ def tiny_qwen3(tmp_path_factory):
     return path, model
 
 
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist (`-n 2 --dist loadgroup`, what CI runs): each test file stays on one
+    worker, so its module fixtures (servers, model files, references) are built once; every file
+    that serves on Ray goes to the same worker, which then starts the one loopback cluster."""
+    ray_files = {item.path for item in items if "ray_cluster" in getattr(item, "fixturenames", ())}
+    for item in items:
+        group = "ray" if item.path in ray_files else str(item.path)
+        item.add_marker(pytest.mark.xdist_group(group))
+
+
 @pytest.fixture(scope="session")
 def ray_cluster():
     """Two Ray nodes on loopback addresses, shared by every test that serves on Ray. Ray is an

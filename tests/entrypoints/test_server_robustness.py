@@ -144,7 +144,9 @@ def test_drain_timeout_ends_streams_with_error_and_done(model_dir):  # noqa: F81
             it = resp.iter_lines()
             first = next(it)
             assert first.startswith("data: ")
-            t = threading.Thread(target=drain, args=(app.state.server, 0.3))
+            # a drain timeout well past the checks below (a loaded machine answers them slowly)
+            # and well short of the stream's 200 tokens x 0.05 s
+            t = threading.Thread(target=drain, args=(app.state.server, 2.0))
             t.start()
             time.sleep(0.1)
             r = httpx.post(s.url + "/v1/completions", json=BODY, timeout=10)   # still connects: 503

@@ -1,6 +1,7 @@
 """GGUF files in every block family run on their own blocks: the engine reads each tensor with its
-family's reader (no requantization), and greedy decoding gives the same tokens alone, in a batch,
-after a prefix-cache hit and under any chunking, on every ISA path this CPU has."""
+family's reader (no requantization) and runs them fused on every ISA path this CPU has; greedy
+tokens follow the dequantized model. (That the tokens do not depend on batching, chunking or the
+prefix cache, for these mixes on every ISA path: tests/engine/test_determinism.py.)"""
 import pytest
 import torch
 
@@ -45,13 +46,11 @@ def test_every_family_runs_on_its_own_blocks(gguf_file, kernel_isa):
     assert not any(isinstance(m, torch.nn.Linear) for m in mods)
     # every layer runs fused on the kernels (int4 and group-affine linears, biases included)
     assert all((layer.fused is not None) == (kernel_isa != "none") for layer in eng.worker.model.layers)
+    # the same tokens alone, in a batch, after prefix-cache hits and in any chunking: every mix
+    # here on every ISA path, in tests/engine/test_determinism.py
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in (20, 70, 150)]
-    alone = [_tokens(llm, [p])[0] for p in prompts]
-    assert _tokens(llm, prompts) == alone                 # in a batch, and now prefix-cache hits
-    assert _tokens(llm, prompts) == alone
-    other = LLM(model=gguf_file, max_model_len=256, max_num_batched_tokens=16, enable_prefix_caching=False)
-    assert _tokens(other, prompts) == alone               # 16-token prompt chunks
+    assert [len(t) for t in _tokens(llm, prompts)] == [12] * 3
 
 
 def test_tokens_follow_the_dequantized_model(gguf_file):

@@ -8,7 +8,7 @@ import torch
 from draftwise import LLM, SamplingParams
 from draftwise.sample.logits_processors import process_row
 from tests.helpers import drafter_specs, tiny_target_with_drafters
-from tests.spec_decode.test_spec_decode import _sample_counts, chi2_critical, small_vocab, two_sample_chi2  # noqa: F401
+from tests.spec_decode.test_spec_decode import _plain_counts, _sample_counts, chi2_critical, small_vocab, two_sample_chi2  # noqa: F401
 
 PROMPTS = ["one two three one two three one two", "abc abc abc abc", "The quick brown fox jumps over"]
 
@@ -73,7 +73,7 @@ def test_sampling_with_penalties_and_min_p_keeps_the_distribution(small_vocab, m
     params = {"temperature": 1.0, "presence_penalty": 1.0, "frequency_penalty": 0.5, "repetition_penalty": 1.3,
               "min_p": 0.05}
     n = 3000
-    base, _ = _sample_counts(path, None, params, n, n_tokens=3)
+    base = _plain_counts(path, params, n, n_tokens=3)
     spec = {"eagle3": {"method": "eagle3", "model": ck, "num_speculative_tokens": 2},
             "suffix-tree": {"method": "suffix", "num_speculative_tokens": 4, "draft_tree": True,
                             "suffix_decoding_min_token_prob": 0.0, "suffix_decoding_max_spec_factor": 2.0}}[method]

@@ -195,6 +195,18 @@ def _sample_counts(path, spec, params_kw, n, n_tokens=2):
     return counts, llm.get_metrics()["spec_decode"]
 
 
+_PLAIN_COUNTS: dict = {}
+
+
+def _plain_counts(path, params_kw, n, n_tokens=2):
+    """_sample_counts without a drafter: the reference every drafter's sample is tested against,
+    drawn once per sampling setting."""
+    key = (path, tuple(sorted(params_kw.items())), n, n_tokens)
+    if key not in _PLAIN_COUNTS:
+        _PLAIN_COUNTS[key] = _sample_counts(path, None, params_kw, n, n_tokens)[0]
+    return _PLAIN_COUNTS[key]
+
+
 @pytest.fixture(scope="module")
 def small_vocab(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("tiny_v8"))
@@ -228,7 +240,7 @@ def _broken_rejection_sample(logits, drafts, nd, meta):
 def test_sampling_distribution_is_preserved(small_vocab, params_kw, method):
     path, ck, dck = small_vocab
     n = 3000
-    base, _ = _sample_counts(path, None, params_kw, n)
+    base = _plain_counts(path, params_kw, n)
     spec = {"eagle3": {"method": "eagle3", "model": ck, "num_speculative_tokens": 2},
             "ngram": {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1},
             "dflash": {"method": "dflash", "model": dck, "num_speculative_tokens": 2},
@@ -247,7 +259,7 @@ def test_sampling_distribution_is_preserved(small_vocab, params_kw, method):
 def test_distribution_test_detects_a_broken_sampler(small_vocab, monkeypatch):
     path, ck, _ = small_vocab
     n = 3000
-    base, _ = _sample_counts(path, None, {"temperature": 1.0}, n)
+    base = _plain_counts(path, {"temperature": 1.0}, n)
     import draftwise.worker.model_runner as mr
     monkeypatch.setattr(mr, "rejection_sample", _broken_rejection_sample)
     got, m = _sample_counts(path, {"method": "eagle3", "model": ck, "num_speculative_tokens": 2,
