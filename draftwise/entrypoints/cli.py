@@ -152,7 +152,12 @@ def cmd_pull(args) -> int:
     return 0
 
 
-def make_parser() -> argparse.ArgumentParser:
+COMMANDS = ("generate", "chat", "serve", "bench", "pull", "cache", "train")
+
+
+def make_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The command line. With `command` named, only that subcommand's arguments are defined: the
+    others' need the server, the bench or the trainers imported (~0.5 s of every start)."""
     from draftwise.engine_args import EngineArgs
     p = argparse.ArgumentParser(prog="draftwise", description="Speculative-decoding inference engine")
     p.add_argument("--log-level", default="WARNING")
@@ -171,13 +176,15 @@ def make_parser() -> argparse.ArgumentParser:
     c.set_defaults(func=cmd_chat)
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
-    from draftwise.entrypoints.openai.api_server import add_serve_args
-    add_serve_args(s)
+    if command in (None, "serve"):
+        from draftwise.entrypoints.openai.api_server import add_serve_args
+        add_serve_args(s)
     s.set_defaults(func=cmd_serve)
 
     b = sub.add_parser("bench", help="compare decoding methods side by side")
-    from draftwise.bench.run import add_bench_args
-    add_bench_args(b)
+    if command in (None, "bench"):
+        from draftwise.bench.run import add_bench_args
+        add_bench_args(b)
     b.set_defaults(func=cmd_bench)
 
     pl = sub.add_parser("pull", help="fetch a model from the Hugging Face Hub into its cache, without loading it")
@@ -197,6 +204,8 @@ def make_parser() -> argparse.ArgumentParser:
     k.set_defaults(func=cmd_cache)
 
     t = sub.add_parser("train", help="generate drafter training data, train drafters")
+    if command not in (None, "train"):
+        return p
     tsub = t.add_subparsers(dest="trainer", required=True)
     import importlib
     from draftwise.training.cli_args import add_dataclass_args
@@ -273,7 +282,7 @@ def main(argv=None) -> int:
             print(f"draftwise: error: {e}", file=sys.stderr)
             return 2
         return 0
-    parser = make_parser()
+    parser = make_parser(next((a for a in argv if a in COMMANDS), None))
     args = parser.parse_args(argv)
     logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.WARNING),
                         format="%(levelname)s %(name)s: %(message)s")

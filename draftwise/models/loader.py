@@ -208,10 +208,25 @@ def load_tokenizer(path: str):
             or os.path.exists(os.path.join(path, "tokenizer_config.json"))):
         return None
     try:
+        if _tokenizer_class(path) == "TokenizersBackend":
+            # what AutoTokenizer would build, without importing and reading the model's config
+            # class first (~1.3 s of a warm start: transformers' model-config modules pull in
+            # torch.distributed and the kernels hub)
+            from transformers import TokenizersBackend
+            return TokenizersBackend.from_pretrained(path)
         from transformers import AutoTokenizer
         return AutoTokenizer.from_pretrained(path)
     except Exception as e:
         logger.warning("tokenizer in %s could not be loaded (%s); token-id prompts only", path, e)
+        return None
+
+
+def _tokenizer_class(path: str) -> str | None:
+    """The tokenizer class a model directory's tokenizer_config.json names (None: none or unreadable)."""
+    try:
+        with open(os.path.join(path, "tokenizer_config.json")) as f:
+            return json.load(f).get("tokenizer_class")
+    except (OSError, ValueError, AttributeError):
         return None
 
 
