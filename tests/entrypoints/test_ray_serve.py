@@ -261,3 +261,31 @@ def test_a_replica_with_tensor_parallelism_across_the_nodes(model_dir, ray_clust
         assert srv.stop() == 0
     ref = LLM(model_dir, max_model_len=256)
     assert got == [o.outputs[0].text for o in ref.generate(prompts, SamplingParams(temperature=0, max_tokens=12))]
+
+
+def test_an_existing_serve_instance_is_kept_replaced_or_named():
+    """Ray Serve keeps the HTTP options of the instance a cluster already runs; a new `draftwise
+    serve` on another port replaces one that holds only draftwise's applications (a server that
+    did not shut down left it) and refuses, naming its port, one that serves anything else."""
+    from draftwise.entrypoints.ray_serve.launch import ENGINE_APP, INGRESS_APP, existing_serve_verdict
+    here = ("127.0.0.1", 8000)
+    assert existing_serve_verdict(here, here, {"other"}) == "keep"
+    assert existing_serve_verdict(here, ("127.0.0.1", 8123), set()) == "replace"
+    assert existing_serve_verdict(here, ("127.0.0.1", 8123), {ENGINE_APP, INGRESS_APP}) == "replace"
+    with pytest.raises(ValueError, match=r"127.0.0.1:8123 \(applications: chatbot\).*--port 8123"):
+        existing_serve_verdict(here, ("127.0.0.1", 8123), {INGRESS_APP, "chatbot"})
+
+
+@pytest.mark.slow          # two server starts, ~40 s
+def test_a_server_killed_without_shutting_down_leaves_no_wrong_port(model_dir, ray_cluster):
+    """SIGKILL a server (its Serve controller and proxy live on in the cluster), then serve on
+    another port: the new server answers there."""
+    first = serve(ray_cluster, model_dir)
+    os.killpg(first.proc.pid, signal.SIGKILL)
+    first.stop()
+    second = serve(ray_cluster, model_dir)
+    try:
+        assert httpx.get(second.url + "/health", timeout=10).status_code == 200
+        assert chat(second.url, [{"role": "user", "content": "hi"}])["choices"]
+    finally:
+        second.stop()

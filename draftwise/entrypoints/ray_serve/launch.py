@@ -74,11 +74,42 @@ def engine_options_of(args) -> dict:
     return dataclasses.asdict(EngineArgs.from_cli_args(args))
 
 
+def existing_serve_verdict(wanted: tuple[str, int], running: tuple[str, int], apps: set[str]) -> str:
+    """What to do with the Ray Serve instance a cluster already runs (Ray Serve keeps its first
+    HTTP options and ignores a later serve.start's): "keep" where it listens where asked;
+    "replace" where it holds only draftwise's applications or none (left by a `draftwise serve`
+    that did not shut down: a new one on another port would otherwise say it serves where nothing
+    listens); otherwise a ValueError naming the port it is on - other applications are not ours
+    to stop."""
+    if running == wanted:
+        return "keep"
+    others = sorted(apps - {ENGINE_APP, INGRESS_APP})
+    if not others:
+        return "replace"
+    raise ValueError(f"Ray Serve already runs on this cluster with its HTTP proxy at {running[0]}:{running[1]} "
+                     f"(applications: {', '.join(others)}); serve there (--host {running[0]} --port "
+                     f"{running[1]}) or stop that instance first")
+
+
+def start_serve(host: str, port: int) -> None:
+    """Ray Serve with its HTTP proxy at host:port (see existing_serve_verdict)."""
+    from ray import serve
+    from ray.serve.context import _get_global_client
+    serve.start(proxy_location="HeadOnly", http_options={"host": host, "port": port})
+    http = _get_global_client().http_config
+    verdict = existing_serve_verdict((host, port), (http.host, http.port), set(serve.status().applications))
+    if verdict == "replace":
+        logger.warning("replacing the Ray Serve instance left on this cluster (HTTP proxy at %s:%d, no "
+                       "applications but draftwise's)", http.host, http.port)
+        serve.shutdown()
+        serve.start(proxy_location="HeadOnly", http_options={"host": host, "port": port})
+
+
 def start(args, api_key: str | None) -> dict:
     """Deploy both applications (connecting to / starting Ray first); -> the replicas' description."""
     from ray import serve
     connect(args.ray_address)
-    serve.start(proxy_location="HeadOnly", http_options={"host": args.host, "port": args.port})
+    start_serve(args.host, args.port)
     serve.run(engine_deployment(engine_options_of(args), args), name=ENGINE_APP, route_prefix=None)
     info = serve.get_deployment_handle(ENGINE_DEPLOYMENT, app_name=ENGINE_APP).describe.remote().result()
     serve.run(ingress_deployment(info, args, api_key), name=INGRESS_APP, route_prefix="/")
