@@ -1,4 +1,7 @@
+import atexit
 import os
+import shutil
+import tempfile
 
 import pytest
 import torch
@@ -6,6 +9,23 @@ import torch
 from tests.helpers import make_tiny_hf
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+def _private_cache() -> str:
+    """A draftwise cache folder for this test process, removed at its exit: the hundreds of tiny
+    models the tests write (their metadata folders, measured step costs) stay out of the user's
+    cache. The assembled packaged models and their re-quantizations are shared with the user's
+    cache (assembling the 1.5B's 22 packages takes minutes; the slow tests read them)."""
+    user = os.environ.get("DRAFTWISE_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "draftwise"))
+    mine = tempfile.mkdtemp(prefix="draftwise-test-cache-")
+    for shared in ("packaged", "requantized"):
+        os.makedirs(os.path.join(user, shared), exist_ok=True)
+        os.symlink(os.path.join(user, shared), os.path.join(mine, shared))
+    atexit.register(shutil.rmtree, mine, True)
+    return mine
+
+
+os.environ["DRAFTWISE_CACHE"] = _private_cache()
 
 
 @pytest.fixture(scope="session")
