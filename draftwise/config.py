@@ -376,6 +376,9 @@ def parse_bytes(text: str | int) -> int:
 
 
 def cache_dir() -> str:
-    d = os.environ.get("DRAFTWISE_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "draftwise"))
+    """draftwise's own cache folder: $DRAFTWISE_CACHE, else draftwise under $XDG_CACHE_HOME (as
+    torch's extensions and the Hugging Face cache honour it), else ~/.cache/draftwise."""
+    xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    d = os.environ.get("DRAFTWISE_CACHE") or os.path.join(xdg, "draftwise")
     os.makedirs(d, exist_ok=True)
     return d
