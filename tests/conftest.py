@@ -6,6 +6,7 @@ import tempfile
 import pytest
 import torch
 
+from draftwise.config import cache_dir
 from tests.helpers import make_tiny_hf
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
@@ -16,7 +17,7 @@ def _private_cache() -> str:
     models the tests write (their metadata folders, measured step costs) stay out of the user's
     cache. The assembled packaged models and their re-quantizations are shared with the user's
     cache (assembling the 1.5B's 22 packages takes minutes; the slow tests read them)."""
-    user = os.environ.get("DRAFTWISE_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "draftwise"))
+    user = cache_dir()
     mine = tempfile.mkdtemp(prefix="draftwise-test-cache-")
     for shared in ("packaged", "requantized"):
         os.makedirs(os.path.join(user, shared), exist_ok=True)
@@ -42,14 +43,30 @@ def tiny_qwen3(tmp_path_factory):
     return path, model
 
 
+# The test files that serve on Ray: under pytest-xdist they run on one worker, which starts the one
+# loopback cluster (pytest_collection_modifyitems keeps this list true).
+RAY_FILES = {"tests/entrypoints/test_ray_serve.py", "tests/entrypoints/test_server.py",
+             "tests/distributed/test_tp_ray.py"}
+
+
 def pytest_collection_modifyitems(config, items):
-    """Under pytest-xdist (`-n 2 --dist loadgroup`, what CI runs): each test file stays on one
-    worker, so its module fixtures (servers, model files, references) are built once; every file
-    that serves on Ray goes to the same worker, which then starts the one loopback cluster."""
-    ray_files = {item.path for item in items if "ray_cluster" in getattr(item, "fixturenames", ())}
-    for item in items:
-        group = "ray" if item.path in ray_files else str(item.path)
-        item.add_marker(pytest.mark.xdist_group(group))
+    uses_ray = {item.nodeid.split("::", 1)[0] for item in items if "ray_cluster" in getattr(item, "fixturenames", ())}
+    if not uses_ray <= RAY_FILES:
+        raise pytest.UsageError(f"tests/conftest.py: add {sorted(uses_ray - RAY_FILES)} to RAY_FILES")
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """`-n N --dist loadfile` (what CI runs): each test file on one worker (its module fixtures -
+    servers, model files, references - built once), and the files of RAY_FILES together on one."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class FilesAndRayTogether(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = super()._split_scope(nodeid)
+            return "ray" if path in RAY_FILES else path
+    return FilesAndRayTogether(config, log)
 
 
 @pytest.fixture(scope="session")

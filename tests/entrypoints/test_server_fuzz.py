@@ -51,6 +51,9 @@ EXTREME_BODIES = {path: [{**body, **e} for e in EXTREMES] for path, body in {
 EXTREME_BODIES["/v1/completions"].append({"model": NAME, "prompt": "a\ud800b", "max_tokens": 2})
 EXTREME_BODIES["/v1/chat/completions"].append({"model": NAME, "max_tokens": 2,
                                                "messages": [{"role": "user", "content": "\udc00"}]})
+# schemathesis' default of 10 s is short for a request of a few hundred tokens on a loaded 2-core
+# machine (a test worker a core); a hang would still end the test
+CALL_TIMEOUT = 120
 OPERATIONS = [("/v1/completions", "POST"), ("/v1/chat/completions", "POST"), ("/v1/models", "GET"),
               ("/tokenize", "POST"), ("/detokenize", "POST"), ("/health", "GET"), ("/metrics", "GET")]
 
@@ -69,7 +72,7 @@ def test_no_5xx_and_openai_shaped_errors(fuzz_app, fuzz_schema):
                                  strategy)
 
         for body in EXTREME_BODIES.get(path, []):       # each extreme case at least once
-            r = op.Case(body=body, media_type="application/json").call()
+            r = op.Case(body=body, media_type="application/json").call(timeout=CALL_TIMEOUT)
             assert r.status_code < 500, (path, body, r.status_code, r.text[:300])
             assert fuzz_app.state.server.engine_loop.alive
 
@@ -77,7 +80,7 @@ def test_no_5xx_and_openai_shaped_errors(fuzz_app, fuzz_schema):
                   suppress_health_check=list(HealthCheck))
         @given(strategy)
         def check(case):
-            r = case.call()
+            r = case.call(timeout=CALL_TIMEOUT)
             STATUSES.setdefault(case.path, []).append(r.status_code)
             assert r.status_code < 500, (case.path, case.body, r.status_code, r.text[:300])
             if 400 <= r.status_code < 500:
