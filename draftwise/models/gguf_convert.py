@@ -153,6 +153,22 @@ def _file_key(path: str) -> str:
     return f"{os.path.basename(path).rsplit('.', 1)[0]}-{h}"
 
 
+# (GGUF architecture, tokenizer model) -> the tokenizer class transformers' AutoTokenizer builds for
+# such a file. AutoTokenizer finds it through a config it first reads from the whole file with
+# gguf-py's reader (4 s for SmolLM2, 11 s for Qwen2.5-Coder-0.5B); the class's own from_pretrained
+# reads only the tokenizer's keys (0.4 s, 1 s) and gives the same files (tests/models/test_gguf_file.py
+# compares them). Other files go through AutoTokenizer.
+GGUF_TOKENIZER_CLASSES = {("llama", "gpt2"): "TokenizersBackend", ("qwen2", "gpt2"): "Qwen2Tokenizer"}
+
+
+def gguf_tokenizer(path: str, reader):
+    """The Hugging Face tokenizer a GGUF's metadata describes, as AutoTokenizer builds it."""
+    import transformers
+    name = GGUF_TOKENIZER_CLASSES.get((_field(reader, "general.architecture"), _field(reader, "tokenizer.ggml.model")))
+    cls = getattr(transformers, name) if name else transformers.AutoTokenizer
+    return cls.from_pretrained(os.path.dirname(os.path.abspath(path)), gguf_file=os.path.basename(path))
+
+
 def gguf_metadata_dir(path: str, cache_root: str) -> str:
     """The cached directory of a GGUF's configuration (config.json) and tokenizer, read from its
     metadata alone (a few MB at most; the weights stay in the file). Returns the directory."""
@@ -167,9 +183,7 @@ def gguf_metadata_dir(path: str, cache_root: str) -> str:
     with open(os.path.join(tmp, "config.json"), "w") as f:
         json.dump(gguf_config(reader), f, indent=2)
     try:
-        from transformers import AutoTokenizer
-        tok = AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(path)),
-                                            gguf_file=os.path.basename(path))
+        tok = gguf_tokenizer(path, reader)
         tmpl = _field(reader, "tokenizer.chat_template")
         if tmpl and not getattr(tok, "chat_template", None):
             tok.chat_template = tmpl

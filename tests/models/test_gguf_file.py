@@ -156,3 +156,23 @@ def _same_index(ref, idx):
         assert a.tensor_type == b.tensor_type and list(a.shape) == list(b.shape) and a.n_bytes == b.n_bytes
         assert a.data_offset == b.data_offset and a.data.dtype == b.data.dtype and a.data.shape == b.data.shape
         assert np.array_equal(np.asarray(a.data), np.asarray(b.data))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])
+def test_a_gguf_tokenizer_is_the_one_autotokenizer_builds(tmp_path, arch):
+    """gguf_tokenizer builds a file's tokenizer with the class AutoTokenizer picks for it, without
+    AutoTokenizer's whole-file read: the saved files are AutoTokenizer's, byte for byte (the
+    architectures outside GGUF_TOKENIZER_CLASSES go through AutoTokenizer itself)."""
+    from transformers import AutoTokenizer
+    from draftwise.models.gguf_convert import GGUF_TOKENIZER_CLASSES, gguf_tokenizer
+    path = write_tiny_llama_gguf(str(tmp_path / f"{arch}.gguf"), {}, vocab=300, arch=arch, tokenizer=True)
+    mine = gguf_tokenizer(path, open_gguf(path))
+    theirs = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=os.path.basename(path))
+    assert type(mine) is type(theirs)
+    assert (arch, "gpt2") in GGUF_TOKENIZER_CLASSES or arch == "gemma3"
+    mine.save_pretrained(str(tmp_path / "mine"))
+    theirs.save_pretrained(str(tmp_path / "theirs"))
+    names = sorted(os.listdir(tmp_path / "theirs"))
+    assert sorted(os.listdir(tmp_path / "mine")) == names and "tokenizer.json" in names
+    for name in names:
+        assert (tmp_path / "mine" / name).read_bytes() == (tmp_path / "theirs" / name).read_bytes(), name
