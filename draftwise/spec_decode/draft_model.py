@@ -9,9 +9,10 @@ the positions from there on - the tokens the target kept, then the newest token 
 next draft, at its own position). Rejected draft entries beyond `synced` are simply overwritten.
 A chain's own tokens that the target keeps are not fed again: their entries, written by the chain
 passes, already hold them (the tokens are compared with the request's before they are trusted).
-Steps the engine runs without drafting, chunked prompts and prefix-cache hits are caught up the same
-way (the draft model's cache entries of a shared block are not trusted: a request starts from 0),
-and a preempted request starts again from 0.
+Steps the engine runs without drafting, steps where other requests draft and this one does not,
+chunked prompts and prefix-cache hits are caught up the same way when the request next drafts (the
+draft model's cache entries of a shared block are not trusted: a request starts from 0), and a
+preempted request starts again from 0.
 
 Chain drafting: one pass over every request's catch-up rows and its root yields the first draft
 token (greedy), then up to K-1 one-row passes; a request's chain ends early after a token the
@@ -100,14 +101,20 @@ class DraftModelProposer(Proposer):
 
     # ------------------------------------------------------------------------------------------
     def _segments(self, inp: ProposerInput) -> list[_Segment]:
-        """Per request: the positions from its first stale draft entry up to its newest token,
-        plus the root where a draft is wanted."""
+        """Per request that drafts this step: the positions from its first stale draft entry up to
+        its newest token, then the root of its draft."""
         segs = []
         offsets = [0]
         for q in inp.query_lens:
             offsets.append(offsets[-1] + q)
         step_tokens = inp.token_ids.tolist()
         for i, req in enumerate(inp.requests):
+            want = inp.want_draft[i]
+            if not want:
+                # left behind until it next drafts: a request the allocation seldom drafts for
+                # does not pay the draft model for its prompt and answer each time another
+                # request in the batch drafts
+                continue
             seq = inp.seq_lens[i]
             first = seq - inp.query_lens[i]          # position of this step's first valid row
             pre, synced = self._synced.get(req.request_id, (req.num_preemptions, 0))
@@ -121,9 +128,7 @@ class DraftModelProposer(Proposer):
                 tokens = list(req.all_token_ids[synced:first]) + step_tokens[offsets[i]:offsets[i + 1]]
             else:
                 tokens = step_tokens[offsets[i] + synced - first:offsets[i + 1]]
-            want = inp.want_draft[i]
-            if want:
-                tokens.append(int(inp.next_token_ids[i]))
+            tokens.append(int(inp.next_token_ids[i]))
             if tokens:
                 segs.append(_Segment(i, synced, tokens, want))
             self._synced[req.request_id] = (req.num_preemptions, seq + int(want))
