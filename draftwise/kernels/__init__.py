@@ -145,9 +145,12 @@ def _build(module: KernelModule):
     # torch rebuilds an extension when its listed source changes, not its headers: a digest of every
     # file here in the flags makes any change (an upgrade) rebuild instead of loading a stale library
     digest = _sources_digest(_CPU_DIR)
+    # torch also rebuilds when the sources' folder changes (another checkout or environment sharing
+    # its extension folder): the stamp names the folder too, so that rebuild prints its line
+    built_from = f"{digest} {_CPU_DIR}"
     with build_lock(directory):
         stamp = os.path.join(directory, "draftwise.built")
-        fresh = not (os.path.exists(os.path.join(directory, name + ".so")) and _read(stamp) == digest)
+        fresh = not (os.path.exists(os.path.join(directory, name + ".so")) and _read(stamp) == built_from)
         if fresh:                      # one line while the compiler runs, so a first start is not silence
             print(f"draftwise: building the {module.name} CPU kernels for this machine (once after "
                   "an install or upgrade; 20-30 s on 2 cores) ...", file=sys.stderr, flush=True)
@@ -157,7 +160,7 @@ def _build(module: KernelModule):
                     extra_ldflags=["-fopenmp"], build_directory=directory, verbose=False)
         if fresh:
             with open(stamp, "w") as f:
-                f.write(digest)
+                f.write(built_from)
         return mod
 
 

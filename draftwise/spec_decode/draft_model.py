@@ -42,8 +42,7 @@ class _Segment:
     """Rows of one request fed to the draft model in one pass."""
     row: int                 # the request's index in the ProposerInput (its block table row)
     start: int               # position of the first row
-    tokens: list[int]        # token ids at start, start + 1, ...
-    root: bool               # the last row is the draft's root: its logits are wanted
+    tokens: list[int]        # token ids at start, start + 1, ...; the last is the draft's root
 
 
 class DraftModelProposer(Proposer):
@@ -109,8 +108,7 @@ class DraftModelProposer(Proposer):
             offsets.append(offsets[-1] + q)
         step_tokens = inp.token_ids.tolist()
         for i, req in enumerate(inp.requests):
-            want = inp.want_draft[i]
-            if not want:
+            if not inp.want_draft[i]:
                 # left behind until it next drafts: a request the allocation seldom drafts for
                 # does not pay the draft model for its prompt and answer each time another
                 # request in the batch drafts
@@ -129,9 +127,8 @@ class DraftModelProposer(Proposer):
             else:
                 tokens = step_tokens[offsets[i] + synced - first:offsets[i + 1]]
             tokens.append(int(inp.next_token_ids[i]))
-            if tokens:
-                segs.append(_Segment(i, synced, tokens, want))
-            self._synced[req.request_id] = (req.num_preemptions, seq + int(want))
+            segs.append(_Segment(i, synced, tokens))
+            self._synced[req.request_id] = (req.num_preemptions, seq + 1)
         return segs
 
     def _feed(self, segs: list[_Segment], inp: ProposerInput, kv_cache, block_size: int) -> dict[int, torch.Tensor]:
@@ -164,7 +161,7 @@ class DraftModelProposer(Proposer):
             h, _ = self.draft.run_layers(ids, pos, meta, kv_cache)
             ends = torch.cumsum(torch.tensor(qlens), 0) - 1
             for j, (s, d, n) in enumerate(batch):
-                if s.root and d + n == len(s.tokens):
+                if d + n == len(s.tokens):
                     roots[s.row] = h[int(ends[j])]
             pending = rest
         return roots
