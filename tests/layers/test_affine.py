@@ -1,8 +1,9 @@
 """The group-affine linear (every GGUF block family) on each ISA path this CPU has: its activations
-quantized to int8 per block of 32 (as llama.cpp's q8_0), bit-identical to a scalar reference of its
-order of operations, within 1e-3 of an fp64 product of those quantized activations and the
-dequantized weight (2e-2 of one with the activations unquantized: the int8 activations' error), and
-the same bits for a row whatever the rows beside it."""
+quantized to int8 per block of 32 (as llama.cpp's q8_0) for the families with per-group scales and
+per 256 (as its q8_K) for the super-block families, bit-identical to a scalar reference of its order
+of operations, within 1e-3 of an fp64 product of those quantized activations and the dequantized
+weight (2e-2 of one with the activations unquantized: the int8 activations' error), and the same
+bits for a row whatever the rows beside it."""
 import pytest
 import torch
 
@@ -12,36 +13,74 @@ from draftwise.layers.quant import GroupAffineLinear
 from tests.formats.test_blocks import random_blocks
 
 
-def quantize_activations(x: torch.Tensor):
-    """Rows [M, K] fp32 -> (int codes [M, K], scales [M, K/32]): d = max|x| / 127 per block of 32,
+def quantize_activations(x: torch.Tensor, block: int = 32):
+    """Rows [M, K] fp32 -> (int codes [M, K], scales [M, K/block]): d = max|x| / 127 per block,
     q = x * (1 / d) rounded to nearest even (fp32 arithmetic throughout)."""
     M, K = x.shape
-    xb = x.reshape(M, K // 32, 32)
+    xb = x.reshape(M, K // block, block)
     d = xb.abs().amax(-1) / torch.tensor(127.0)
     inv = torch.where(d > 0, torch.tensor(1.0) / d, torch.zeros_like(d))
     q = torch.round(xb * inv[..., None]).reshape(M, K)
     return q, d
 
 
+def activation_block(ga) -> int:
+    """Inputs per activation scale: 256 for the super-block families, else 32."""
+    return 32 if ga.factors is None else 256
+
+
+def _fma(a, b, e):
+    """fp32 fma: the exact product in fp64, rounded once to fp32 with the addend."""
+    return (a.double() * b.double() + e.double()).float()
+
+
 def reference(x_bf16: torch.Tensor, ga) -> torch.Tensor:
-    """The kernels' arithmetic in scalar steps (the same on every ISA): per group the exact integer
-    sum of (code - offset) x q, then acc = fma(T, scale * d, acc) and acc = fma(minimum, d * sum(q_g),
-    acc), fma as an exact product in fp64 rounded once to fp32."""
+    """The kernels' arithmetic in scalar steps (the same on every ISA, cpu/q8act.h). Per-group
+    scales: per group the exact integer sum T of (code - offset) x q, then acc = fma(T, scale * d,
+    acc) and acc = fma(minimum, d * sum(q_g), acc). Super-block factors: per super-block the exact
+    integer sums P = sum_g sc_g T_g and (with minimums) M = sum_g m_g sum(q_g), then
+    acc = fma(P, D * d, acc) and acc = fma(M, Dmin * d, acc)."""
+    if ga.factors is not None:
+        return _reference_super(x_bf16, ga)
     x = x_bf16.float()
     M, K = x.shape
     q, d = quantize_activations(x)
     c = (ga.codes.to(torch.int64) - ga.offset)                  # [N, K]
     gs = ga.group
     acc = torch.zeros(M, c.shape[0])
-    fma = lambda a, b, e: (a.double() * b.double() + e.double()).float()  # noqa: E731
     for g in range(K // gs):
         k0 = g * gs
         t = q[:, k0:k0 + gs].to(torch.int64) @ c[:, k0:k0 + gs].t()          # exact
         sd = ga.scale[:, g][None] * d[:, k0 // 32:k0 // 32 + 1]
-        acc = fma(t.float(), sd, acc)
+        acc = _fma(t.float(), sd, acc)
         if ga.minimum is not None:
             qsum = q[:, k0:k0 + gs].sum(-1, keepdim=True)                         # exact
-            acc = fma(ga.minimum[:, g][None], d[:, k0 // 32:k0 // 32 + 1] * qsum, acc)
+            acc = _fma(ga.minimum[:, g][None], d[:, k0 // 32:k0 // 32 + 1] * qsum, acc)
+    return acc
+
+
+def _reference_super(x_bf16: torch.Tensor, ga) -> torch.Tensor:
+    x = x_bf16.float()
+    M, K = x.shape
+    q, d = quantize_activations(x, 256)
+    q = q.to(torch.int64)
+    c = ga.codes.to(torch.int64) - ga.offset                    # [N, K]
+    f, gs = ga.factors, ga.group
+    gps = 256 // gs
+    acc = torch.zeros(M, c.shape[0])
+    for s in range(K // 256):
+        P = torch.zeros(M, c.shape[0], dtype=torch.int64)
+        T = torch.zeros(M, c.shape[0], dtype=torch.int64)
+        for gi in range(gps):
+            k0 = s * 256 + gi * gs
+            dot = q[:, k0:k0 + gs] @ c[:, k0:k0 + gs].t()                      # exact
+            P += dot * f.sc[:, s * gps + gi].to(torch.int64)[None]
+            if f.m is not None:
+                T += q[:, k0:k0 + gs].sum(-1, keepdim=True) * f.m[:, s * gps + gi].to(torch.int64)[None]
+        assert P.abs().max() < 2 ** 31 and T.abs().max() < 2 ** 24
+        acc = _fma(P.float(), f.d[:, s][None] * d[:, s:s + 1], acc)
+        if f.m is not None:
+            acc = _fma(T.float(), f.dmin[:, s][None] * d[:, s:s + 1], acc)
     return acc
 
 
@@ -66,8 +105,9 @@ def test_affine_kernel_equals_its_reference(isa_kernels, name):
     assert ((y.double() - exact).abs().max() / exact.abs().max()).item() < 2e-2
     # the kernel's only rounding past its int8 activations is fp32 accumulation: within 1e-3 of an
     # fp64 product of the activations as it quantized them and the dequantized weight
-    q, d = quantize_activations(x.float())
-    xq = (q.reshape(13, -1, 32) * d[..., None]).reshape(13, -1)
+    block = activation_block(ga)
+    q, d = quantize_activations(x.float(), block)
+    xq = (q.reshape(13, -1, block) * d[..., None]).reshape(13, -1)
     exact_q = xq.double() @ ga.dequantize().double().t()
     assert ((y.double() - exact_q).abs().max() / exact_q.abs().max()).item() < 1e-3
 

@@ -192,15 +192,121 @@ DW_AVX2 void rows(const TiledActivations& ta, int t, int OG, const uint8_t* pk, 
   }
 }
 
+// The MT rows of register tile `t` of one column block with super-block factors (q8act.h: the
+// super-block order), both halves at once. The group's sub-scales enter where its integer sums are
+// widened: without VNNI the vpmaddwd that adds the int16 pair sums to int32 multiplies them by the
+// sub-scales instead of by ones (llama.cpp's K-quant dot products on AVX2: no instruction added),
+// the offset term taken out as sub-scale x offset x the group's input sum; with VNNI (and for 8-bit
+// codes) the group's int32 sums times the sub-scales. Per super-block, one fma of float(P) by D * d
+// into y, and for the families with minimums one of the minimums' sums T by Dmin * d.
+template <int BITS, int MT>
+DW_AVX2 void rows_super(const TiledActivations& ta, int t, int OG, const uint8_t* pk, const q8act::SuperScales& sc,
+                        bool has_offset, float* y, int64_t N) {
+  const int G = ta.G, GPS = q8act::QBLOCK_SUPER / (OG * q8act::OCTET);
+  constexpr int64_t sb = q8act::step_bytes(BITS);
+  constexpr int SPAN = (VNNI || BITS == 8) ? 1 : int16_span<BITS>();
+  const int32_t* xq = ta.q.data() + static_cast<int64_t>(t) * ta.octets * MT_MAX * 2;
+  const int32_t* corr = ta.corr.data() + static_cast<int64_t>(t) * G * MT_MAX;
+  const float* xd = ta.d.data() + static_cast<int64_t>(t) * ta.blocks * MT_MAX;
+  const float* xs = ta.xs.data() + static_cast<int64_t>(t) * G * MT_MAX;
+  for (int r = 0; r < MT; ++r)
+    for (int h = 0; h < 2; ++h) _mm256_storeu_ps(y + r * N + h * 8, _mm256_setzero_ps());
+  for (int s = 0; s < G / GPS; ++s) {
+    const uint8_t* rs = sc.record(sc.s, s);
+    __m256i P[MT][2];
+    for (int r = 0; r < MT; ++r) P[r][0] = P[r][1] = _mm256_setzero_si256();
+    for (int gi = 0; gi < GPS; ++gi) {
+      const int g = s * GPS + gi;
+      const uint8_t* pg = pk + static_cast<int64_t>(g) * OG * sb;
+      const int32_t* xg = xq + static_cast<int64_t>(g) * OG * MT * 2;
+      const __m256i s32[2] = {q8act::SuperScales::sub8(rs, gi, 0), q8act::SuperScales::sub8(rs, gi, 1)};
+      if constexpr (SPAN == 1) {
+        __m256i ia[MT][2];
+#pragma GCC unroll 4
+        for (int r = 0; r < MT; ++r) ia[r][0] = ia[r][1] = _mm256_set1_epi32(-corr[g * MT + r]);
+        octets<BITS, MT>(pg, xg, 0, OG, [&](int r, int h, __m256i a, __m256i b, __m256i va, __m256i vb) {
+          ia[r][h] = dot32<BITS>(ia[r][h], a, b, va, vb);
+        });
+#pragma GCC unroll 4
+        for (int r = 0; r < MT; ++r)
+          for (int h = 0; h < 2; ++h) P[r][h] = _mm256_add_epi32(P[r][h], _mm256_mullo_epi32(ia[r][h], s32[h]));
+      } else {
+        // each column's sub-scale in both int16 halves of its lane: vpmaddwd's multipliers
+        const __m256i lo16 = _mm256_set1_epi32(0xffff);
+        const __m256i s16x2[2] = {_mm256_or_si256(_mm256_and_si256(s32[0], lo16), _mm256_slli_epi32(s32[0], 16)),
+                                  _mm256_or_si256(_mm256_and_si256(s32[1], lo16), _mm256_slli_epi32(s32[1], 16))};
+        for (int o0 = 0; o0 < OG; o0 += SPAN) {
+          __m256i s16[MT][2];
+#pragma GCC unroll 4
+          for (int r = 0; r < MT; ++r) s16[r][0] = s16[r][1] = _mm256_setzero_si256();
+          octets<BITS, MT>(pg, xg, o0, std::min(OG, o0 + SPAN), [&](int r, int h, __m256i a, __m256i b, __m256i va,
+                                                                     __m256i vb) {
+            s16[r][h] = dot16(s16[r][h], a, b, va, vb);
+          });
+#pragma GCC unroll 4
+          for (int r = 0; r < MT; ++r)
+            for (int h = 0; h < 2; ++h) P[r][h] = _mm256_add_epi32(P[r][h], _mm256_madd_epi16(s16[r][h], s16x2[h]));
+        }
+        if (has_offset) {
+#pragma GCC unroll 4
+          for (int r = 0; r < MT; ++r) {
+            const __m256i c = _mm256_set1_epi32(corr[g * MT + r]);
+            for (int h = 0; h < 2; ++h) P[r][h] = _mm256_sub_epi32(P[r][h], _mm256_mullo_epi32(c, s32[h]));
+          }
+        }
+      }
+    }
+    for (int h = 0; h < 2; ++h) {
+      const __m256 D = q8act::SuperScales::super8(rs, h);
+#pragma GCC unroll 4
+      for (int r = 0; r < MT; ++r) {
+        float* yr = y + r * N + h * 8;
+        const __m256 dd = _mm256_mul_ps(D, _mm256_set1_ps(xd[s * MT + r]));
+        _mm256_storeu_ps(yr, _mm256_fmadd_ps(_mm256_cvtepi32_ps(P[r][h]), dd, _mm256_loadu_ps(yr)));
+      }
+    }
+    if (sc.has_min()) {
+      const uint8_t* rm = sc.record(sc.m, s);
+      for (int h = 0; h < 2; ++h) {
+        __m256 T[MT];
+        for (int r = 0; r < MT; ++r) T[r] = _mm256_setzero_ps();
+        for (int gi = 0; gi < GPS; ++gi) {
+          const __m256 mv = _mm256_cvtepi32_ps(q8act::SuperScales::sub8(rm, gi, h));
+          const float* xg = xs + static_cast<int64_t>(s * GPS + gi) * MT;
+#pragma GCC unroll 4
+          for (int r = 0; r < MT; ++r) T[r] = _mm256_fmadd_ps(mv, _mm256_set1_ps(xg[r]), T[r]);
+        }
+        const __m256 Dm = q8act::SuperScales::super8(rm, h);
+#pragma GCC unroll 4
+        for (int r = 0; r < MT; ++r) {
+          float* yr = y + r * N + h * 8;
+          const __m256 dd = _mm256_mul_ps(Dm, _mm256_set1_ps(xd[s * MT + r]));
+          _mm256_storeu_ps(yr, _mm256_fmadd_ps(T[r], dd, _mm256_loadu_ps(yr)));
+        }
+      }
+    }
+  }
+}
+
 template <int BITS, typename S>
-DW_AVX2 void rows_any(int mt, const TiledActivations& ta, int t, int OG, const uint8_t* pk, const S& sc, float* y,
-                      int64_t N) {
-  switch (mt) {
-    case 1: rows<BITS, 1, S>(ta, t, OG, pk, sc, y, N); break;
-    case 2: rows<BITS, 2, S>(ta, t, OG, pk, sc, y, N); break;
-    case 3: rows<BITS, 3, S>(ta, t, OG, pk, sc, y, N); break;
-    case 4: rows<BITS, 4, S>(ta, t, OG, pk, sc, y, N); break;
-    default: break;
+DW_AVX2 void rows_any(int mt, const TiledActivations& ta, int t, int OG, const uint8_t* pk, const S& sc,
+                      bool has_offset, float* y, int64_t N) {
+  if constexpr (std::is_same_v<S, q8act::SuperScales>) {
+    switch (mt) {
+      case 1: rows_super<BITS, 1>(ta, t, OG, pk, sc, has_offset, y, N); break;
+      case 2: rows_super<BITS, 2>(ta, t, OG, pk, sc, has_offset, y, N); break;
+      case 3: rows_super<BITS, 3>(ta, t, OG, pk, sc, has_offset, y, N); break;
+      case 4: rows_super<BITS, 4>(ta, t, OG, pk, sc, has_offset, y, N); break;
+      default: break;
+    }
+  } else {
+    switch (mt) {
+      case 1: rows<BITS, 1, S>(ta, t, OG, pk, sc, y, N); break;
+      case 2: rows<BITS, 2, S>(ta, t, OG, pk, sc, y, N); break;
+      case 3: rows<BITS, 3, S>(ta, t, OG, pk, sc, y, N); break;
+      case 4: rows<BITS, 4, S>(ta, t, OG, pk, sc, y, N); break;
+      default: break;
+    }
   }
 }
 
@@ -221,7 +327,7 @@ void column_blocks(const q8act::Activations& act, const uint8_t* codes, const S&
         const S sc = scales.at(b);
         for (int r = c0; r < c1; r += MT_MAX)
           rows_any<BITS, S>(std::min(MT_MAX, c1 - r), ta, r / MT_MAX, OG, codes + b * block_bytes, sc,
-                            y + static_cast<int64_t>(r) * N + b * NB, N);
+                            act.offset != 0, y + static_cast<int64_t>(r) * N + b * NB, N);
       }
     }
   });

@@ -4,8 +4,10 @@
 // octet of inputs for 16 columns: its low nibbles are inputs 0-3, its high nibbles 4-7 (5-bit codes
 // add 16 where the step's high-bit masks say; int8 codes are two 64-byte quads, made unsigned by
 // flipping the sign bit: code + 128, the 128 taken out with the offset; 6-bit codes add 16 and 32). Each step is loaded once and
-// serves every row of the tile; each row has two int32 chains (inputs 0-3 and 4-7 of the octets),
-// added at the group's end (exact), so one row's dot products do not wait on one long chain.
+// serves every row of the tile. A tile of fewer than ONE_CHAIN_ROWS rows gives each row two int32
+// chains (inputs 0-3 and 4-7 of the octets, added at the group's end: exact), so one row's dot
+// products do not wait on one long chain; taller tiles have chains enough in their rows, and one
+// chain a row saves that add (a tenth of an 8-row tile's vector instructions).
 #pragma once
 
 #include "q8act.h"
@@ -16,6 +18,7 @@ namespace draftwise {
 namespace q8act512 {
 
 constexpr int MT_MAX = 8;      // rows per register tile (3 zmm each)
+constexpr int ONE_CHAIN_ROWS = 5;   // tiles of at least this many rows: one int32 chain a row
 // how far ahead the codes are prefetched: 8 KB. A tile of 8 rows spends ~8 cycles per 64-byte step,
 // so common.h's 2 KB arrive only ~250 cycles ahead, short of DRAM's latency, and the tile waits on
 // memory and arithmetic in turn; at 8 KB one linear at 4-8 rows ran 15-25 % faster and one row no
@@ -53,26 +56,19 @@ AVX512VNNI inline void load_step(const uint8_t* p, __m512i& a, __m512i& b) {
 
 using TiledActivations = q8act::TiledActivations<MT_MAX>;
 
-// A column block's scales and minimums, whatever the file keeps them as (fp32, fp16, or super-block
-// factors), read per group by a run-time branch (the same for every group of a call, so always
-// predicted) instead of a template parameter: a tile's code is then compiled once per bit width and
-// row count rather than once per scale policy as well, a third of this file's compile time on a
-// first start. A super-block record (q8act.h) gives d * sc, the one fp32 product; the rest are exact.
+// A column block's per-group scales and minimums (fp32 or fp16), read per group by a run-time
+// branch (the same for every group of a call, so always predicted) instead of a template parameter:
+// a tile's code is then compiled once per bit width and row count rather than once per scale type
+// as well. The super-block families have their own order (rows_super).
 struct BlockScales {
-  enum Kind { F32, F16, SUPER } kind;
+  enum Kind { F32, F16 } kind;
   const void* s;
   const void* m;               // null where the family has no minimums
-  int gps;                     // SUPER: groups per super-block
-  static BlockScales of(const affine::F32Scales& sc) { return {F32, sc.s, sc.m, 0}; }
-  static BlockScales of(const affine::F16Scales& sc) { return {F16, sc.s, sc.m, 0}; }
-  static BlockScales of(const q8act::SuperScales& sc) { return {SUPER, sc.s, sc.m, sc.gps}; }
+  static BlockScales of(const affine::F32Scales& sc) { return {F32, sc.s, sc.m}; }
+  static BlockScales of(const affine::F16Scales& sc) { return {F16, sc.s, sc.m}; }
   AVX512VNNI __m512 lanes(const void* t, int g) const {
     if (kind == F16) return scales16(static_cast<const uint16_t*>(t) + g * NB);
-    if (kind == F32) return scales16(static_cast<const float*>(t) + g * NB);
-    const uint8_t* r = static_cast<const uint8_t*>(t) + (g / gps) * q8act::SuperScales::record_bytes(gps);
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r)));
-    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(r + 32 + (g % gps) * NB));
-    return _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)));
+    return scales16(static_cast<const float*>(t) + g * NB);
   }
 };
 
@@ -110,7 +106,8 @@ AVX512VNNI void rows(const TiledActivations& ta, int t, const uint8_t* pk, const
 #pragma GCC unroll 8
       for (int r = 0; r < MT; ++r) {
         ia[r] = _mm512_dpbusd_epi32(ia[r], a, _mm512_set1_epi32(xo[2 * r]));
-        ib[r] = _mm512_dpbusd_epi32(ib[r], b, _mm512_set1_epi32(xo[2 * r + 1]));
+        if constexpr (MT >= ONE_CHAIN_ROWS) ia[r] = _mm512_dpbusd_epi32(ia[r], b, _mm512_set1_epi32(xo[2 * r + 1]));
+        else ib[r] = _mm512_dpbusd_epi32(ib[r], b, _mm512_set1_epi32(xo[2 * r + 1]));
       }
     }
     const __m512 s = sc.lanes(sc.s, g);
@@ -118,7 +115,7 @@ AVX512VNNI void rows(const TiledActivations& ta, int t, const uint8_t* pk, const
 #pragma GCC unroll 8
     for (int r = 0; r < MT; ++r) {
       const __m512 sd = _mm512_mul_ps(s, _mm512_set1_ps(xd[db * MT + r]));
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(ia[r], ib[r])), sd, acc[r]);
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(MT >= ONE_CHAIN_ROWS ? ia[r] : _mm512_add_epi32(ia[r], ib[r])), sd, acc[r]);
     }
     if (sc.m) {
       const __m512 m = sc.lanes(sc.m, g);
@@ -128,6 +125,96 @@ AVX512VNNI void rows(const TiledActivations& ta, int t, const uint8_t* pk, const
   }
 #pragma GCC unroll 8
   for (int r = 0; r < MT; ++r) _mm512_storeu_ps(y + static_cast<int64_t>(r) * N, acc[r]);
+}
+
+// The MT rows of register tile `t` of one column block with super-block factors (q8act.h: the
+// super-block order). Per group the dot products as rows() takes them (the first chain starting at
+// minus the offset term), times the group's sub-scales into the super-block's int32 sums P (exact);
+// per super-block one fma of float(P) by D * d, and for the families with minimums the minimums'
+// integer sums T (exact in fp32: every partial sum under 2^24) by Dmin * d. OG octets per group and
+// 32 / OG groups per super-block (group 16: 16, group 32: 8).
+template <int BITS, int MT, int OG>
+AVX512VNNI void rows_super(const TiledActivations& ta, int t, const uint8_t* pk, const q8act::SuperScales& sc, float* y,
+                           int64_t N) {
+  const int G = ta.G;
+  constexpr int GPS = q8act::QBLOCK_SUPER / (OG * q8act::OCTET);
+  constexpr int64_t sb = q8act::step_bytes(BITS);
+  constexpr bool ONE = MT >= ONE_CHAIN_ROWS;
+  __m512 acc[MT];
+#pragma GCC unroll 8
+  for (int r = 0; r < MT; ++r) acc[r] = _mm512_setzero_ps();
+  const int32_t* xq = ta.q.data() + static_cast<int64_t>(t) * ta.octets * MT_MAX * 2;
+  const int32_t* corr = ta.corr.data() + static_cast<int64_t>(t) * G * MT_MAX;
+  const float* xd = ta.d.data() + static_cast<int64_t>(t) * ta.blocks * MT_MAX;
+  const float* xs = ta.xs.data() + static_cast<int64_t>(t) * G * MT_MAX;
+  for (int s = 0; s < G / GPS; ++s) {
+    const uint8_t* rs = sc.record(sc.s, s);
+    __m512i P[MT];
+#pragma GCC unroll 8
+    for (int r = 0; r < MT; ++r) P[r] = _mm512_setzero_si512();
+    for (int gi = 0; gi < GPS; ++gi) {
+      const int g = s * GPS + gi;
+      __m512i ia[MT], ib[MT];
+#pragma GCC unroll 8
+      for (int r = 0; r < MT; ++r) {
+        ia[r] = _mm512_set1_epi32(-corr[g * MT + r]);
+        ib[r] = _mm512_setzero_si512();
+      }
+      const uint8_t* pg = pk + static_cast<int64_t>(g) * OG * sb;
+      const int32_t* xg = xq + static_cast<int64_t>(g) * OG * MT * 2;
+#pragma GCC unroll 4
+      for (int o = 0; o < OG; ++o) {
+        q8act::prefetch_step<BITS>(pg + o * sb, CODE_PREFETCH_BYTES);
+        __m512i a, b;
+        load_step<BITS>(pg + o * sb, a, b);
+        const int32_t* xo = xg + o * MT * 2;
+#pragma GCC unroll 8
+        for (int r = 0; r < MT; ++r) {
+          ia[r] = _mm512_dpbusd_epi32(ia[r], a, _mm512_set1_epi32(xo[2 * r]));
+          if constexpr (ONE) ia[r] = _mm512_dpbusd_epi32(ia[r], b, _mm512_set1_epi32(xo[2 * r + 1]));
+          else ib[r] = _mm512_dpbusd_epi32(ib[r], b, _mm512_set1_epi32(xo[2 * r + 1]));
+        }
+      }
+      const __m512i s32 = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rs + 32 + gi * NB)));
+#pragma GCC unroll 8
+      for (int r = 0; r < MT; ++r)
+        P[r] = _mm512_add_epi32(P[r], _mm512_mullo_epi32(ONE ? ia[r] : _mm512_add_epi32(ia[r], ib[r]), s32));
+    }
+    const __m512 D = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rs)));
+#pragma GCC unroll 8
+    for (int r = 0; r < MT; ++r)
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(P[r]), _mm512_mul_ps(D, _mm512_set1_ps(xd[s * MT + r])), acc[r]);
+    if (sc.m) {
+      const uint8_t* rm = sc.record(sc.m, s);
+      __m512 T[MT];
+#pragma GCC unroll 8
+      for (int r = 0; r < MT; ++r) T[r] = _mm512_setzero_ps();
+      for (int gi = 0; gi < GPS; ++gi) {
+        const __m512 mv = _mm512_cvtepi32_ps(
+            _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rm + 32 + gi * NB))));
+        const float* xg = xs + static_cast<int64_t>(s * GPS + gi) * MT;
+#pragma GCC unroll 8
+        for (int r = 0; r < MT; ++r) T[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xg[r]), T[r]);
+      }
+      const __m512 Dm = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rm)));
+#pragma GCC unroll 8
+      for (int r = 0; r < MT; ++r)
+        acc[r] = _mm512_fmadd_ps(T[r], _mm512_mul_ps(Dm, _mm512_set1_ps(xd[s * MT + r])), acc[r]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < MT; ++r) _mm512_storeu_ps(y + static_cast<int64_t>(r) * N, acc[r]);
+}
+
+template <int BITS, int OG>
+AVX512VNNI void rows_super_og(int mt, const TiledActivations& ta, int t, const uint8_t* pk,
+                              const q8act::SuperScales& sc, float* y, int64_t N) {
+  switch (mt) {
+#define CASE(n) case n: rows_super<BITS, n, OG>(ta, t, pk, sc, y, N); break;
+    CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8)
+#undef CASE
+    default: break;
+  }
 }
 
 template <int BITS, int OG>
@@ -141,11 +228,17 @@ AVX512VNNI void rows_og(int mt, const TiledActivations& ta, int t, const uint8_t
   }
 }
 
-template <int BITS>
-AVX512VNNI void rows_any(int mt, int group, const TiledActivations& ta, int t, const uint8_t* pk, const BlockScales& sc,
+template <int BITS, typename S>
+AVX512VNNI void rows_any(int mt, int group, const TiledActivations& ta, int t, const uint8_t* pk, const S& scales,
                          float* y, int64_t N) {
-  if (group == 16) rows_og<BITS, 2>(mt, ta, t, pk, sc, y, N);
-  else rows_og<BITS, 4>(mt, ta, t, pk, sc, y, N);
+  if constexpr (std::is_same_v<S, q8act::SuperScales>) {
+    if (group == 16) rows_super_og<BITS, 2>(mt, ta, t, pk, scales, y, N);
+    else rows_super_og<BITS, 4>(mt, ta, t, pk, scales, y, N);
+  } else {
+    const BlockScales sc = BlockScales::of(scales);
+    if (group == 16) rows_og<BITS, 2>(mt, ta, t, pk, sc, y, N);
+    else rows_og<BITS, 4>(mt, ta, t, pk, sc, y, N);
+  }
 }
 
 // every column block, in parallel; within a thread's share, rows in chunks whose activations stay
@@ -164,7 +257,7 @@ void column_blocks(const q8act::Activations& act, const uint8_t* codes, const S&
     for (int c0 = 0; c0 < M; c0 += q8act::ROW_CHUNK) {
       const int c1 = std::min(M, c0 + q8act::ROW_CHUNK);
       for (int64_t b = b0; b < b1; ++b) {
-        const BlockScales sc = BlockScales::of(scales.at(b));
+        const S sc = scales.at(b);
         for (int r = c0; r < c1; r += MT_MAX)
           rows_any<BITS>(std::min(MT_MAX, c1 - r), act.group, ta, r / MT_MAX, codes + b * block_bytes, sc,
                          y + static_cast<int64_t>(r) * N + b * NB, N);

@@ -1,14 +1,28 @@
 // The group-affine linear (every GGUF block family, draftwise/formats) on int8 activations, as
 // llama.cpp's CPU kernels run its block types: y[M, N] = x[M, K] . W[N, K]^T, fp32 out, with
 //     W[n, k] = scale[n, g] * (code[n, k] - offset) + minimum[n, g]      g = k / group (16 or 32)
-// held exactly (the file's own codes and scales), and each row of x quantized per block of 32 inputs
-// to int8 with one fp32 scale (llama.cpp's q8_0: d = max|x| / 127, q = round-to-nearest-even(x / d)).
-// The integer dot products of codes and quantized activations are exact; per group
-//     acc = fma(float(sum_k (code - offset) * q), scale * d, acc)
+// held exactly (the file's own codes and scales). Two orders of operations, by how the file keeps
+// its scales; in each, every row's arithmetic is the same whatever the number of rows in the call,
+// so a row's bits never depend on the rows beside it:
+//
+// Per-group scales (the legacy families: fp32 / fp16 scale and minimum per group). Each row of x is
+// quantized per block of 32 inputs to int8 with one fp32 scale (llama.cpp's q8_0: d = max|x| / 127,
+// q = round-to-nearest-even(x / d)); per group, the exact integer dot product of (code - offset) and
+// q, then
+//     acc = fma(float(dot), scale * d, acc)
 //     acc = fma(minimum, d * sum_k q, acc)              (the minimum times the group's quantized inputs)
-// in that order for every row, whatever the number of rows in the call, so a row's bits never
-// depend on the rows beside it. The ISA files hold the dot products: avx512_q8act.h (VNNI
-// vpdpbusd, 16 columns per instruction) and avx2_q8act.h (vpmaddubsw, 8 columns).
+//
+// Super-block factors (K-quants, IQ4_XS: scale = D * sc, minimum = Dmin * m, D and Dmin fp16 per 256
+// inputs, sc and m small integers per group). Each row is quantized per 256 inputs (llama.cpp's
+// q8_K), so a super-block's groups share one activation scale d and the sub-scales apply in
+// integers, as llama.cpp's K-quant dot products do:
+//     P = sum_g sc_g * dot_g        (int32, exact)       T = sum_g m_g * sum_{k in g} q_k (exact)
+//     acc = fma(float(P), D * d, acc)
+//     acc = fma(float(T), Dmin * d, acc)               (families with minimums)
+// one float step a super-block where the per-group order takes two or three a group: the rate of a
+// few rows at a time is the integer products' own. The ISA files hold the dot products:
+// avx512_q8act.h (VNNI vpdpbusd, 16 columns per instruction) and avx2_q8act.h (vpmaddubsw, 8
+// columns; the sub-scales enter through the vpmaddwd that widens its sums).
 //
 // Code layouts ("dot layouts", made by draftwise/kernels/__init__.py:pack_affine), per block of 16
 // output columns n0..n0+15 and octet o of inputs 8o..8o+7:
@@ -36,7 +50,8 @@
 namespace draftwise {
 namespace q8act {
 
-constexpr int QBLOCK = 32;     // inputs per activation scale
+constexpr int QBLOCK = 32;     // inputs per activation scale, per-group scales
+constexpr int QBLOCK_SUPER = 256;   // inputs per activation scale, super-block factors
 constexpr int OCTET = 8;       // inputs per code step
 constexpr int ROW_CHUNK = 64;  // rows whose activations stay in cache while a thread's column blocks pass
 
@@ -60,8 +75,8 @@ inline void prefetch_step(const uint8_t* p, int64_t ahead) {
 }
 
 // The scales of the super-block families as their files store them (a column block's 16 lanes
-// per super-block: d fp16 [16], then sc int8 [gps][16]); a group's scale is d * sc in fp32, the
-// same bits as the product table (both factors exact, the product within fp32's mantissa).
+// per super-block: D fp16 [16], then sc int8 [gps][16]; the minimums' record alike: Dmin negated,
+// then m), read by the ISA kernels' super-block order (above).
 struct SuperScales {
   const uint8_t* s;
   const uint8_t* m;             // the minimums' factors (dmin negated, m), or null
@@ -73,29 +88,35 @@ struct SuperScales {
     return {s + off, m ? m + off : nullptr, G, gps};
   }
   bool has_min() const { return m != nullptr; }
-  DW_AVX2 __m256 lanes(const uint8_t* t, int g, int h) const {
-    const uint8_t* r = t + (g / gps) * rec();
-    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(r + h * 16)));
-    const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(r + 32 + (g % gps) * NB + h * 8));
-    return _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)));
+  // super-block sb's record in table t (s or m)
+  const uint8_t* record(const uint8_t* t, int sb) const { return t + sb * rec(); }
+  // half h (8 columns) of a record's fp16 super-scales, widened (exact)
+  DW_AVX2 static __m256 super8(const uint8_t* r, int h) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(r + h * 16)));
   }
-  DW_AVX2 __m256 scale(int g, int h) const { return lanes(s, g, h); }
-  DW_AVX2 __m256 min(int g, int h) const { return lanes(m, g, h); }
+  // half h of group gi's (of the super-block) small integers, sign-extended to int32
+  DW_AVX2 static __m256i sub8(const uint8_t* r, int gi, int h) {
+    return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(r + 32 + gi * NB + h * 8)));
+  }
 };
 
 // x's rows quantized for the dot products, and what the group terms need
 struct Activations {
-  int M, K, group, G;
+  int M, K, group, G, qblock;  // qblock: inputs per scale, QBLOCK or QBLOCK_SUPER
+  int offset = 0;              // taken out of the codes (plus the 8-bit codes' shift to unsigned)
   Aligned<int8_t> q;           // [M, K] int8 codes
-  std::vector<float> d;        // [M, K / 32] scale per block of 32 inputs
+  std::vector<float> d;        // [M, K / qblock] scale per block of qblock inputs
   std::vector<int32_t> corr;   // [M, G] offset * sum of the group's q (the codes' offset taken out exactly)
-  std::vector<float> xs;       // [M, G] d * sum of the group's q (the minimum's term: as llama.cpp's q8_1
-                               // sums, so a weight's whole value meets the same quantized input; the
-                               // exact input sum beside quantized code products has ~3x the error)
-  Activations(int M_, int K_, int group_)
-      : M(M_), K(K_), group(group_), G(K_ / group_), q(static_cast<size_t>(M_) * K_),
-        d(static_cast<size_t>(M_) * (K_ / QBLOCK)), corr(static_cast<size_t>(M_) * G), xs(static_cast<size_t>(M_) * G) {}
+  std::vector<float> xs;       // [M, G] per-group scales: d * sum of the group's q (the minimum's term:
+                               // as llama.cpp's q8_1 sums, so a weight's whole value meets the same
+                               // quantized input; the exact input sum beside quantized code products
+                               // has ~3x the error); super-block factors: sum of the group's q (exact)
+  Activations(int M_, int K_, int group_, int qblock_)
+      : M(M_), K(K_), group(group_), G(K_ / group_), qblock(qblock_), q(static_cast<size_t>(M_) * K_),
+        d(static_cast<size_t>(M_) * (K_ / qblock_)), corr(static_cast<size_t>(M_) * G),
+        xs(static_cast<size_t>(M_) * G) {}
   const int8_t* row(int r) const { return q.p + static_cast<int64_t>(r) * K; }
+  bool super() const { return qblock == QBLOCK_SUPER; }
 };
 
 // 8 fp32 -> 8 int32, round to nearest even (the default MXCSR mode), then the 32 of a block packed
@@ -110,30 +131,41 @@ DW_AVX2 inline void store_q32(__m256 v[4], __m256 id, int8_t* out) {
                       _mm256_permutevar8x32_epi32(p8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
 }
 
-// one row: bf16 [K] -> int8 q [K], d [K / 32], group sums of q (times offset) and of x
-DW_AVX2 inline void quantize_row(const uint16_t* x, int K, int group, int offset, int8_t* q, float* d,
+// 32 bf16 inputs widened to fp32
+DW_AVX2 inline void load32(const uint16_t* x, __m256 v[4]) {
+  for (int t = 0; t < 4; ++t)
+    v[t] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(x + t * 8))), 16));
+}
+
+// one row: bf16 [K] -> int8 q [K], d [K / qblock], group sums of q (times offset) and the group term
+DW_AVX2 inline void quantize_row(const uint16_t* x, int K, int group, int offset, int qblock, int8_t* q, float* d,
                                  int32_t* corr, float* xs) {
   const __m256 sign = _mm256_set1_ps(-0.0f);
-  for (int b = 0; b < K / QBLOCK; ++b) {
+  for (int b = 0; b < K / qblock; ++b) {
+    const uint16_t* xb = x + static_cast<int64_t>(b) * qblock;
     __m256 v[4];
     __m256 amax = _mm256_setzero_ps();
-    for (int t = 0; t < 4; ++t) {
-      v[t] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(
-          _mm_loadu_si128(reinterpret_cast<const __m128i*>(x + b * QBLOCK + t * 8))), 16));
-      amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[t]));
+    for (int c = 0; c < qblock; c += QBLOCK) {
+      load32(xb + c, v);
+      for (int t = 0; t < 4; ++t) amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[t]));
     }
     __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
     m = _mm_max_ps(m, _mm_movehl_ps(m, m));
     m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
     const float dd = _mm_cvtss_f32(m) / 127.0f;
     d[b] = dd;
-    store_q32(v, _mm256_set1_ps(dd > 0.0f ? 1.0f / dd : 0.0f), q + b * QBLOCK);
+    const __m256 id = _mm256_set1_ps(dd > 0.0f ? 1.0f / dd : 0.0f);
+    for (int c = 0; c < qblock; c += QBLOCK) {
+      load32(xb + c, v);
+      store_q32(v, id, q + static_cast<int64_t>(b) * qblock + c);
+    }
   }
   for (int g = 0; g < K / group; ++g) {
     int32_t s = 0;
     for (int k = 0; k < group; ++k) s += q[g * group + k];
     corr[g] = offset * s;
-    xs[g] = d[g * group / QBLOCK] * static_cast<float>(s);
+    xs[g] = qblock == QBLOCK ? d[g * group / QBLOCK] * static_cast<float>(s) : static_cast<float>(s);
   }
 }
 
@@ -142,8 +174,8 @@ inline void quantize_rows(const torch::Tensor& x, int group, int offset, Activat
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
   const int K = a.K, G = a.G;
   for_rows(a.M, [&](int64_t r) {
-    quantize_row(xp + r * K, K, group, offset, a.q.p + r * K, a.d.data() + r * (K / QBLOCK), a.corr.data() + r * G,
-                 a.xs.data() + r * G);
+    quantize_row(xp + r * K, K, group, offset, a.qblock, a.q.p + r * K, a.d.data() + r * (K / a.qblock),
+                 a.corr.data() + r * G, a.xs.data() + r * G);
   });
 }
 
@@ -168,7 +200,7 @@ struct TiledActivations {
     tiles = (act.M + TILE - 1) / TILE;
     octets = act.K / q8act::OCTET;
     G = act.G;
-    blocks = act.K / q8act::QBLOCK;
+    blocks = act.K / act.qblock;
     // every element is written below (a tile holds exactly its rows)
     const size_t M = static_cast<size_t>(act.M);
     q.resize(M * octets * 2);
@@ -238,11 +270,13 @@ torch::Tensor dot_linear(const torch::Tensor& x, const torch::Tensor& codes, con
   const int M = x.size(0), K = x.size(1), G = K / static_cast<int>(group);
   auto y = at::empty({M, codes.size(0) * NB}, x.options().dtype(torch::kFloat));
   if (M == 0) return y;
-  Activations acts(M, K, static_cast<int>(group));
+  const bool super = scale.scalar_type() == torch::kByte;
+  Activations acts(M, K, static_cast<int>(group), super ? QBLOCK_SUPER : QBLOCK);
   // the 8-bit codes enter the unsigned dot products shifted by `extra_offset` (128 on VNNI)
-  quantize_rows(x, static_cast<int>(group), static_cast<int>(offset) + (bits == 8 ? extra_offset : 0), acts);
+  acts.offset = static_cast<int>(offset) + (bits == 8 ? extra_offset : 0);
+  quantize_rows(x, static_cast<int>(group), acts.offset, acts);
   const bool has_min = minimum.numel() > 0;
-  if (scale.scalar_type() == torch::kByte)
+  if (super)
     blocks_fn(SuperScales{scale.data_ptr<uint8_t>(), has_min ? minimum.data_ptr<uint8_t>() : nullptr, G,
                           256 / static_cast<int>(group)}, bits, acts, y);
   else if (scale.scalar_type() == torch::kHalf)
