@@ -535,9 +535,10 @@ def unpack_affine(packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tens
 
 def affine_linear(x_bf16: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
                   group: int, offset: int, high_bits: str | None = None) -> torch.Tensor:
-    """y [M, N] fp32 = x [M, K] (bf16, quantized per block of 32 to int8 by the kernel) . W^T for a
-    group-affine weight in the dot layout (pack_affine; a 5- or 6-bit one in the high-bit
-    arrangement of the running ISA, else the kernel refuses it)."""
+    """y [M, N] fp32 = x [M, K] . W^T for a group-affine weight in the dot layout (pack_affine; a 5-
+    or 6-bit one in the high-bit arrangement of the running ISA, else the kernel refuses it). x is
+    bf16, quantized to int8 by the kernel per block of 32 inputs, or per 256 for a weight with
+    super-block factors (cpu/q8act.h)."""
     return _call("affine_linear", affine_linear_op, x_bf16, packed, scale, minimum, group, offset,
                  HIGH_BITS.index(high_bits or high_bits_for()))
 
