@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from draftwise import kernels
-from draftwise.formats import FORMATS, decode
+from draftwise.formats import FORMATS, GroupAffine, ScaleFactors, decode
 from draftwise.layers.quant import GroupAffineLinear
 from tests.formats.test_blocks import random_blocks
 
@@ -110,6 +110,44 @@ def test_affine_kernel_equals_its_reference(isa_kernels, name):
     xq = (q.reshape(13, -1, block) * d[..., None]).reshape(13, -1)
     exact_q = xq.double() @ ga.dequantize().double().t()
     assert ((y.double() - exact_q).abs().max() / exact_q.abs().max()).item() < 1e-3
+
+
+def _synthetic(bits: int, group: int, super_block: bool, minimum: bool, N=32, K=512, seed=0) -> GroupAffine:
+    """A group-affine weight of a shape no GGUF family has (e.g. 5-bit codes in groups of 16)."""
+    g = torch.Generator().manual_seed(seed)
+    if bits == 8:
+        codes = torch.randint(-128, 128, (N, K), generator=g).to(torch.int8)
+    elif bits == 6:                                   # int8 codes that fit in 6 bits: packed as 6-bit
+        codes, bits = torch.randint(-32, 32, (N, K), generator=g).to(torch.int8), 8
+    else:
+        codes = torch.randint(0, 1 << bits, (N, K), generator=g).to(torch.uint8)
+    G = K // group
+    if not super_block:
+        scale = torch.rand(N, G, generator=g) * 0.01
+        mins = -torch.rand(N, G, generator=g) * 0.1 if minimum else None
+        return GroupAffine(codes, scale, mins, group, bits, 0 if bits == 8 else 1 << (bits - 1) if not minimum else 0)
+    d = (torch.rand(N, K // 256, generator=g) * 1e-3).half().float()
+    sc = torch.randint(1, 64, (N, G), generator=g).to(torch.int8)
+    f = ScaleFactors(d, sc)
+    scale = d.repeat_interleave(256 // group, 1) * sc.float()
+    mins = None
+    if minimum:
+        f.dmin = (-torch.rand(N, K // 256, generator=g) * 1e-2).half().float()
+        f.m = torch.randint(0, 64, (N, G), generator=g).to(torch.int8)
+        mins = f.dmin.repeat_interleave(256 // group, 1) * f.m.float()
+    return GroupAffine(codes, scale, mins, group, bits, 0, f)
+
+
+@pytest.mark.parametrize("shape", [(4, 16, False, True), (5, 16, False, False), (8, 16, False, False),
+                                   (5, 16, True, True), (6, 32, True, False), (8, 16, True, False)])
+def test_shapes_no_family_has_equal_their_reference(isa_kernels, shape):
+    """The tile shapes no GGUF family produces run a kernel shaped at run time: the same bits."""
+    ga = _synthetic(*shape)
+    lin = GroupAffineLinear([ga])
+    for rows in (13, 3):                               # tiles of 8 and 5 rows; a short one
+        x = (torch.randn(rows, ga.codes.shape[1]) * 3).to(torch.bfloat16)
+        y, ref = lin(x.float()), reference(x, ga)
+        assert torch.equal(y, ref), (y - ref).abs().max()
 
 
 @pytest.mark.parametrize("name", ["Q4_K", "Q6_K", "Q8_0", "Q4_0"])

@@ -72,159 +72,165 @@ struct BlockScales {
   }
 };
 
-// the MT rows of register tile `t` (MT its height) of one column block (its codes `pk`, its scales `sc`);
-// OG = group / 8 octets per group, a compile-time constant so a group's dot products are
-// straight-line code and every row's two chains stay in registers. The first chain starts at
-// minus the group's offset term (exact integers: the same sum as subtracting it at the end)
+// A register tile's shape: MT rows and OG = group / 8 octets a group as compile-time constants, so
+// that a group's dot products are straight-line code and every row's chains stay in registers; or
+// 0 for either, taken at run time (mt, og): the shapes no GGUF family produces compile to one body
+// each instead of eight (a first start compiles this file).
+template <int BITS, int OG, bool SUPER>
+constexpr bool every_height_compiled() {
+  if constexpr (!SUPER) return OG == 4;                     // Q4_0 - Q8_0, IQ4_NL: groups of 32
+  else return BITS == 4 || (BITS == 6 ? OG == 2 : OG == 4);  // Q2_K, Q3_K, Q4_K; Q6_K; Q5_K, IQ4_XS
+}
+
+// one group's dot products for the tile's rows into dots[r]: per row the exact int32 sum of the
+// codes times the quantized activations less the offset term corr_g[r] (the first chain starts at
+// minus it: exact integers, the same sum as subtracting it at the end)
 template <int BITS, int MT, int OG>
-AVX512VNNI void rows(const TiledActivations& ta, int t, const uint8_t* pk, const BlockScales& sc, float* y, int64_t N) {
-  const int G = ta.G;
-  constexpr int group = OG * q8act::OCTET;
+AVX512VNNI __attribute__((always_inline)) inline void group_dots(const uint8_t* pg, const int32_t* xg,
+                                                                 const int32_t* corr_g, int mt, int og,
+                                                                 __m512i* dots) {
   constexpr int64_t sb = q8act::step_bytes(BITS);
-  __m512 acc[MT];
+  constexpr int CAP = MT ? MT : MT_MAX;
+  const bool one = mt >= ONE_CHAIN_ROWS;
+  __m512i ia[CAP], ib[CAP];
 #pragma GCC unroll 8
-  for (int r = 0; r < MT; ++r) acc[r] = _mm512_setzero_ps();
+  for (int r = 0; r < mt; ++r) {
+    ia[r] = _mm512_set1_epi32(-corr_g[r]);
+    ib[r] = _mm512_setzero_si512();
+  }
+#pragma GCC unroll 4
+  for (int o = 0; o < og; ++o) {
+    q8act::prefetch_step<BITS>(pg + o * sb, CODE_PREFETCH_BYTES);
+    __m512i a, b;
+    load_step<BITS>(pg + o * sb, a, b);
+    const int32_t* xo = xg + o * mt * 2;
+#pragma GCC unroll 8
+    for (int r = 0; r < mt; ++r) {
+      ia[r] = _mm512_dpbusd_epi32(ia[r], a, _mm512_set1_epi32(xo[2 * r]));
+      if (one) ia[r] = _mm512_dpbusd_epi32(ia[r], b, _mm512_set1_epi32(xo[2 * r + 1]));
+      else ib[r] = _mm512_dpbusd_epi32(ib[r], b, _mm512_set1_epi32(xo[2 * r + 1]));
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < mt; ++r) dots[r] = one ? ia[r] : _mm512_add_epi32(ia[r], ib[r]);
+}
+
+// the rows of register tile `t` (mt its height) of one column block (its codes `pk`, its per-group
+// scales `sc`): per group, acc = fma(float(dot), scale * d, acc), then the minimum's term
+template <int BITS, int MT, int OG>
+AVX512VNNI void rows(const TiledActivations& ta, int t, const uint8_t* pk, const BlockScales& sc, float* y, int64_t N,
+                     int mt_rt = MT, int og_rt = OG) {
+  const int mt = MT ? MT : mt_rt, og = OG ? OG : og_rt;
+  const int G = ta.G, group = og * q8act::OCTET;
+  constexpr int64_t sb = q8act::step_bytes(BITS);
+  constexpr int CAP = MT ? MT : MT_MAX;
+  __m512 acc[CAP];
+#pragma GCC unroll 8
+  for (int r = 0; r < mt; ++r) acc[r] = _mm512_setzero_ps();
   const int32_t* xq = ta.q.data() + static_cast<int64_t>(t) * ta.octets * MT_MAX * 2;
   const int32_t* corr = ta.corr.data() + static_cast<int64_t>(t) * G * MT_MAX;
   const float* xd = ta.d.data() + static_cast<int64_t>(t) * ta.blocks * MT_MAX;
   const float* xs = ta.xs.data() + static_cast<int64_t>(t) * G * MT_MAX;
   for (int g = 0; g < G; ++g) {
-    __m512i ia[MT], ib[MT];
-#pragma GCC unroll 8
-    for (int r = 0; r < MT; ++r) {
-      ia[r] = _mm512_set1_epi32(-corr[g * MT + r]);
-      ib[r] = _mm512_setzero_si512();
-    }
-    const uint8_t* pg = pk + static_cast<int64_t>(g) * OG * sb;
-    const int32_t* xg = xq + static_cast<int64_t>(g) * OG * MT * 2;
-#pragma GCC unroll 4
-    for (int o = 0; o < OG; ++o) {
-      q8act::prefetch_step<BITS>(pg + o * sb, CODE_PREFETCH_BYTES);
-      __m512i a, b;
-      load_step<BITS>(pg + o * sb, a, b);
-      const int32_t* xo = xg + o * MT * 2;
-#pragma GCC unroll 8
-      for (int r = 0; r < MT; ++r) {
-        ia[r] = _mm512_dpbusd_epi32(ia[r], a, _mm512_set1_epi32(xo[2 * r]));
-        if constexpr (MT >= ONE_CHAIN_ROWS) ia[r] = _mm512_dpbusd_epi32(ia[r], b, _mm512_set1_epi32(xo[2 * r + 1]));
-        else ib[r] = _mm512_dpbusd_epi32(ib[r], b, _mm512_set1_epi32(xo[2 * r + 1]));
-      }
-    }
+    __m512i dots[CAP];
+    group_dots<BITS, MT, OG>(pk + static_cast<int64_t>(g) * og * sb, xq + static_cast<int64_t>(g) * og * mt * 2,
+                             corr + g * mt, mt, og, dots);
     const __m512 s = sc.lanes(sc.s, g);
     const int db = g * group / q8act::QBLOCK;
 #pragma GCC unroll 8
-    for (int r = 0; r < MT; ++r) {
-      const __m512 sd = _mm512_mul_ps(s, _mm512_set1_ps(xd[db * MT + r]));
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(MT >= ONE_CHAIN_ROWS ? ia[r] : _mm512_add_epi32(ia[r], ib[r])), sd, acc[r]);
+    for (int r = 0; r < mt; ++r) {
+      const __m512 sd = _mm512_mul_ps(s, _mm512_set1_ps(xd[db * mt + r]));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots[r]), sd, acc[r]);
     }
     if (sc.m) {
       const __m512 m = sc.lanes(sc.m, g);
 #pragma GCC unroll 8
-      for (int r = 0; r < MT; ++r) acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xs[g * MT + r]), acc[r]);
+      for (int r = 0; r < mt; ++r) acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xs[g * mt + r]), acc[r]);
     }
   }
 #pragma GCC unroll 8
-  for (int r = 0; r < MT; ++r) _mm512_storeu_ps(y + static_cast<int64_t>(r) * N, acc[r]);
+  for (int r = 0; r < mt; ++r) _mm512_storeu_ps(y + static_cast<int64_t>(r) * N, acc[r]);
 }
 
-// The MT rows of register tile `t` of one column block with super-block factors (q8act.h: the
-// super-block order). Per group the dot products as rows() takes them (the first chain starting at
-// minus the offset term), times the group's sub-scales into the super-block's int32 sums P (exact);
-// per super-block one fma of float(P) by D * d, and for the families with minimums the minimums'
-// integer sums T (exact in fp32: every partial sum under 2^24) by Dmin * d. OG octets per group and
-// 32 / OG groups per super-block (group 16: 16, group 32: 8).
+// The rows of register tile `t` of one column block with super-block factors (q8act.h: the
+// super-block order). Per group the dot products, times the group's sub-scales into the
+// super-block's int32 sums P (exact); per super-block one fma of float(P) by D * d, and for the
+// families with minimums the minimums' integer sums T (exact in fp32: every partial sum under
+// 2^24) by Dmin * d. 32 / og groups per super-block (group 16: 16, group 32: 8).
 template <int BITS, int MT, int OG>
 AVX512VNNI void rows_super(const TiledActivations& ta, int t, const uint8_t* pk, const q8act::SuperScales& sc, float* y,
-                           int64_t N) {
-  const int G = ta.G;
-  constexpr int GPS = q8act::QBLOCK_SUPER / (OG * q8act::OCTET);
+                           int64_t N, int mt_rt = MT, int og_rt = OG) {
+  const int mt = MT ? MT : mt_rt, og = OG ? OG : og_rt;
+  const int G = ta.G, gps = q8act::QBLOCK_SUPER / (og * q8act::OCTET);
   constexpr int64_t sb = q8act::step_bytes(BITS);
-  constexpr bool ONE = MT >= ONE_CHAIN_ROWS;
-  __m512 acc[MT];
+  constexpr int CAP = MT ? MT : MT_MAX;
+  __m512 acc[CAP];
 #pragma GCC unroll 8
-  for (int r = 0; r < MT; ++r) acc[r] = _mm512_setzero_ps();
+  for (int r = 0; r < mt; ++r) acc[r] = _mm512_setzero_ps();
   const int32_t* xq = ta.q.data() + static_cast<int64_t>(t) * ta.octets * MT_MAX * 2;
   const int32_t* corr = ta.corr.data() + static_cast<int64_t>(t) * G * MT_MAX;
   const float* xd = ta.d.data() + static_cast<int64_t>(t) * ta.blocks * MT_MAX;
   const float* xs = ta.xs.data() + static_cast<int64_t>(t) * G * MT_MAX;
-  for (int s = 0; s < G / GPS; ++s) {
+  for (int s = 0; s < G / gps; ++s) {
     const uint8_t* rs = sc.record(sc.s, s);
-    __m512i P[MT];
+    __m512i P[CAP];
 #pragma GCC unroll 8
-    for (int r = 0; r < MT; ++r) P[r] = _mm512_setzero_si512();
-    for (int gi = 0; gi < GPS; ++gi) {
-      const int g = s * GPS + gi;
-      __m512i ia[MT], ib[MT];
-#pragma GCC unroll 8
-      for (int r = 0; r < MT; ++r) {
-        ia[r] = _mm512_set1_epi32(-corr[g * MT + r]);
-        ib[r] = _mm512_setzero_si512();
-      }
-      const uint8_t* pg = pk + static_cast<int64_t>(g) * OG * sb;
-      const int32_t* xg = xq + static_cast<int64_t>(g) * OG * MT * 2;
-#pragma GCC unroll 4
-      for (int o = 0; o < OG; ++o) {
-        q8act::prefetch_step<BITS>(pg + o * sb, CODE_PREFETCH_BYTES);
-        __m512i a, b;
-        load_step<BITS>(pg + o * sb, a, b);
-        const int32_t* xo = xg + o * MT * 2;
-#pragma GCC unroll 8
-        for (int r = 0; r < MT; ++r) {
-          ia[r] = _mm512_dpbusd_epi32(ia[r], a, _mm512_set1_epi32(xo[2 * r]));
-          if constexpr (ONE) ia[r] = _mm512_dpbusd_epi32(ia[r], b, _mm512_set1_epi32(xo[2 * r + 1]));
-          else ib[r] = _mm512_dpbusd_epi32(ib[r], b, _mm512_set1_epi32(xo[2 * r + 1]));
-        }
-      }
+    for (int r = 0; r < mt; ++r) P[r] = _mm512_setzero_si512();
+    for (int gi = 0; gi < gps; ++gi) {
+      const int g = s * gps + gi;
+      __m512i dots[CAP];
+      group_dots<BITS, MT, OG>(pk + static_cast<int64_t>(g) * og * sb, xq + static_cast<int64_t>(g) * og * mt * 2,
+                               corr + g * mt, mt, og, dots);
       const __m512i s32 = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rs + 32 + gi * NB)));
 #pragma GCC unroll 8
-      for (int r = 0; r < MT; ++r)
-        P[r] = _mm512_add_epi32(P[r], _mm512_mullo_epi32(ONE ? ia[r] : _mm512_add_epi32(ia[r], ib[r]), s32));
+      for (int r = 0; r < mt; ++r) P[r] = _mm512_add_epi32(P[r], _mm512_mullo_epi32(dots[r], s32));
     }
     const __m512 D = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rs)));
 #pragma GCC unroll 8
-    for (int r = 0; r < MT; ++r)
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(P[r]), _mm512_mul_ps(D, _mm512_set1_ps(xd[s * MT + r])), acc[r]);
+    for (int r = 0; r < mt; ++r)
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(P[r]), _mm512_mul_ps(D, _mm512_set1_ps(xd[s * mt + r])), acc[r]);
     if (sc.m) {
       const uint8_t* rm = sc.record(sc.m, s);
-      __m512 T[MT];
+      __m512 T[CAP];
 #pragma GCC unroll 8
-      for (int r = 0; r < MT; ++r) T[r] = _mm512_setzero_ps();
-      for (int gi = 0; gi < GPS; ++gi) {
+      for (int r = 0; r < mt; ++r) T[r] = _mm512_setzero_ps();
+      for (int gi = 0; gi < gps; ++gi) {
         const __m512 mv = _mm512_cvtepi32_ps(
             _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rm + 32 + gi * NB))));
-        const float* xg = xs + static_cast<int64_t>(s * GPS + gi) * MT;
+        const float* xg = xs + static_cast<int64_t>(s * gps + gi) * mt;
 #pragma GCC unroll 8
-        for (int r = 0; r < MT; ++r) T[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xg[r]), T[r]);
+        for (int r = 0; r < mt; ++r) T[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xg[r]), T[r]);
       }
       const __m512 Dm = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rm)));
 #pragma GCC unroll 8
-      for (int r = 0; r < MT; ++r)
-        acc[r] = _mm512_fmadd_ps(T[r], _mm512_mul_ps(Dm, _mm512_set1_ps(xd[s * MT + r])), acc[r]);
+      for (int r = 0; r < mt; ++r)
+        acc[r] = _mm512_fmadd_ps(T[r], _mm512_mul_ps(Dm, _mm512_set1_ps(xd[s * mt + r])), acc[r]);
     }
   }
 #pragma GCC unroll 8
-  for (int r = 0; r < MT; ++r) _mm512_storeu_ps(y + static_cast<int64_t>(r) * N, acc[r]);
+  for (int r = 0; r < mt; ++r) _mm512_storeu_ps(y + static_cast<int64_t>(r) * N, acc[r]);
 }
 
-template <int BITS, int OG>
-AVX512VNNI void rows_super_og(int mt, const TiledActivations& ta, int t, const uint8_t* pk,
-                              const q8act::SuperScales& sc, float* y, int64_t N) {
-  switch (mt) {
-#define CASE(n) case n: rows_super<BITS, n, OG>(ta, t, pk, sc, y, N); break;
-    CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8)
-#undef CASE
-    default: break;
-  }
-}
-
-template <int BITS, int OG>
-AVX512VNNI void rows_og(int mt, const TiledActivations& ta, int t, const uint8_t* pk, const BlockScales& sc, float* y,
+// a tile of mt rows (1-8) of a group size: the kernel compiled for its height where the shape is a
+// GGUF family's, else the run-time shaped one
+template <int BITS, int OG, typename S>
+AVX512VNNI void rows_og(int mt, const TiledActivations& ta, int t, const uint8_t* pk, const S& sc, float* y,
                         int64_t N) {
-  switch (mt) {
-#define CASE(n) case n: rows<BITS, n, OG>(ta, t, pk, sc, y, N); break;
-    CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8)
+  constexpr bool SUPER = std::is_same_v<S, q8act::SuperScales>;
+  const auto run = [&](auto tag) {
+    constexpr int H = decltype(tag)::value;
+    if constexpr (SUPER) rows_super<BITS, H, H ? OG : 0>(ta, t, pk, sc, y, N, mt, OG);
+    else rows<BITS, H, H ? OG : 0>(ta, t, pk, sc, y, N, mt, OG);
+  };
+  if constexpr (!every_height_compiled<BITS, OG, SUPER>()) {
+    run(std::integral_constant<int, 0>{});
+  } else {
+    switch (mt) {
+#define CASE(n) case n: run(std::integral_constant<int, n>{}); break;
+      CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8)
 #undef CASE
-    default: break;
+      default: break;
+    }
   }
 }
 
@@ -232,8 +238,8 @@ template <int BITS, typename S>
 AVX512VNNI void rows_any(int mt, int group, const TiledActivations& ta, int t, const uint8_t* pk, const S& scales,
                          float* y, int64_t N) {
   if constexpr (std::is_same_v<S, q8act::SuperScales>) {
-    if (group == 16) rows_super_og<BITS, 2>(mt, ta, t, pk, scales, y, N);
-    else rows_super_og<BITS, 4>(mt, ta, t, pk, scales, y, N);
+    if (group == 16) rows_og<BITS, 2>(mt, ta, t, pk, scales, y, N);
+    else rows_og<BITS, 4>(mt, ta, t, pk, scales, y, N);
   } else {
     const BlockScales sc = BlockScales::of(scales);
     if (group == 16) rows_og<BITS, 2>(mt, ta, t, pk, sc, y, N);
