@@ -2,7 +2,7 @@
 quantized to int8 per block of 32 (as llama.cpp's q8_0) for the families with per-group scales and
 per 256 (as its q8_K) for the super-block families, bit-identical to a scalar reference of its order
 of operations, within 1e-3 of an fp64 product of those quantized activations and the dequantized
-weight (2e-2 of one with the activations unquantized: the int8 activations' error), and the same
+weight (2e-2 or 4e-2 of one with the activations unquantized: the int8 activations' error), and the same
 bits for a row whatever the rows beside it."""
 import pytest
 import torch
@@ -27,6 +27,12 @@ def quantize_activations(x: torch.Tensor, block: int = 32):
 def activation_block(ga) -> int:
     """Inputs per activation scale: 256 for the super-block families, else 32."""
     return 32 if ga.factors is None else 256
+
+
+def activation_error(ga) -> float:
+    """Bound on the relative error of int8 activations against an unquantized product: a scale per
+    256 inputs is coarser than one per 32 (random rows reach 2.3e-2 in a few percent of draws)."""
+    return 2e-2 if ga.factors is None else 4e-2
 
 
 def _fma(a, b, e):
@@ -102,7 +108,7 @@ def test_affine_kernel_equals_its_reference(isa_kernels, name):
     ref = reference(x, ga)
     assert torch.equal(y, ref), (y - ref).abs().max()
     exact = x.double() @ ga.dequantize().double().t()
-    assert ((y.double() - exact).abs().max() / exact.abs().max()).item() < 2e-2
+    assert ((y.double() - exact).abs().max() / exact.abs().max()).item() < activation_error(ga)
     # the kernel's only rounding past its int8 activations is fp32 accumulation: within 1e-3 of an
     # fp64 product of the activations as it quantized them and the dequantized weight
     block = activation_block(ga)
@@ -138,7 +144,7 @@ def _synthetic(bits: int, group: int, super_block: bool, minimum: bool, N=32, K=
     return GroupAffine(codes, scale, mins, group, bits, 0, f)
 
 
-@pytest.mark.parametrize("shape", [(4, 16, False, True), (5, 16, False, False), (8, 16, False, False),
+@pytest.mark.parametrize("shape", [(4, 16, False, True), (5, 16, False, False), (8, 16, False, False), (6, 32, False, False),
                                    (5, 16, True, True), (6, 32, True, False), (8, 16, True, False)])
 def test_shapes_no_family_has_equal_their_reference(isa_kernels, shape):
     """The tile shapes no GGUF family produces run a kernel shaped at run time: the same bits."""
@@ -163,7 +169,7 @@ def test_affine_rows_are_independent_of_the_call(kernel_isa, name):
     many = torch.randn(70, x.shape[1])               # more rows than a chunk keeps in cache
     assert torch.equal(lin(many)[69:], lin(many[69:]))
     exact = x.to(torch.bfloat16).double() @ ga.dequantize().double().t()
-    assert ((alone.double() - exact).abs().max() / exact.abs().max()).item() < 2e-2
+    assert ((alone.double() - exact).abs().max() / exact.abs().max()).item() < activation_error(ga)
 
 
 def test_high_bit_arrangements_place_every_bit_once():
@@ -201,7 +207,7 @@ def test_mixed_parts_join_in_order(kernel_isa):
     assert torch.equal(lin.dequantize(), w)
     x = torch.randn(3, w.shape[1])
     exact = x.to(torch.bfloat16).double() @ w.double().t()
-    assert ((lin(x).double() - exact).abs().max() / exact.abs().max()).item() < 2e-2
+    assert ((lin(x).double() - exact).abs().max() / exact.abs().max()).item() < 4e-2
 
 
 @pytest.mark.parametrize("high_bits", kernels.HIGH_BITS)

@@ -78,7 +78,7 @@ struct BlockScales {
 // each instead of eight (a first start compiles this file).
 template <int BITS, int OG, bool SUPER>
 constexpr bool every_height_compiled() {
-  if constexpr (!SUPER) return OG == 4;                     // Q4_0 - Q8_0, IQ4_NL: groups of 32
+  if constexpr (!SUPER) return OG == 4 && BITS != 6;        // Q4_0 - Q8_0, IQ4_NL: 4-, 5-, 8-bit, groups of 32
   else return BITS == 4 || (BITS == 6 ? OG == 2 : OG == 4);  // Q2_K, Q3_K, Q4_K; Q6_K; Q5_K, IQ4_XS
 }
 
