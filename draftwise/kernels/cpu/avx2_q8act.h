@@ -97,6 +97,17 @@ DW_AVX2 inline __m256i dot32(__m256i acc, __m256i a, __m256i b, __m256i va, __m2
 
 using TiledActivations = q8act::TiledActivations<MT_MAX>;
 
+// half h of the tile's rows in y (their fp32 accumulators): y += float(sums) * (scale * d[r])
+template <int MT>
+DW_AVX2 inline void add_scaled(float* y, int64_t N, int h, __m256 scale, const float* d, const __m256i (&sums)[MT][2]) {
+#pragma GCC unroll 4
+  for (int r = 0; r < MT; ++r) {
+    float* yr = y + r * N + h * 8;
+    const __m256 sd = _mm256_mul_ps(scale, _mm256_set1_ps(d[r]));
+    _mm256_storeu_ps(yr, _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[r][h]), sd, _mm256_loadu_ps(yr)));
+  }
+}
+
 // octets [o0, o1) of the tile's MT rows, both halves: each code step loaded and unpacked once, each
 // activation word broadcast once, and per row and half `f(r, h, a, b, va, vb)`
 template <int BITS, int MT, typename F>
@@ -130,10 +141,7 @@ DW_AVX2 void rows(const TiledActivations& ta, int t, int OG, const uint8_t* pk, 
   constexpr int64_t sb = q8act::step_bytes(BITS);
   constexpr int SPAN = (VNNI || BITS == 8) ? 1 : int16_span<BITS>();
   const __m256i ones = _mm256_set1_epi16(1);
-  const int32_t* xq = ta.q.data() + static_cast<int64_t>(t) * ta.octets * MT_MAX * 2;
-  const int32_t* corr = ta.corr.data() + static_cast<int64_t>(t) * G * MT_MAX;
-  const float* xd = ta.d.data() + static_cast<int64_t>(t) * ta.blocks * MT_MAX;
-  const float* xs = ta.xs.data() + static_cast<int64_t>(t) * G * MT_MAX;
+  const auto [xq, corr, xd, xs] = ta.tile(t);
   for (int r = 0; r < MT; ++r)
     for (int h = 0; h < 2; ++h) _mm256_storeu_ps(y + r * N + h * 8, _mm256_setzero_ps());
   for (int g = 0; g < G; ++g) {
@@ -170,15 +178,7 @@ DW_AVX2 void rows(const TiledActivations& ta, int t, int OG, const uint8_t* pk, 
       }
     }
     const int db = g * group / q8act::QBLOCK;
-    for (int h = 0; h < 2; ++h) {
-      const __m256 s = sc.scale(g, h);
-#pragma GCC unroll 4
-      for (int r = 0; r < MT; ++r) {
-        float* yr = y + r * N + h * 8;
-        const __m256 sd = _mm256_mul_ps(s, _mm256_set1_ps(xd[db * MT + r]));
-        _mm256_storeu_ps(yr, _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia[r][h]), sd, _mm256_loadu_ps(yr)));
-      }
-    }
+    for (int h = 0; h < 2; ++h) add_scaled<MT>(y, N, h, sc.scale(g, h), xd + db * MT, ia);
     if (sc.has_min()) {
       for (int h = 0; h < 2; ++h) {
         const __m256 m = sc.min(g, h);
@@ -205,10 +205,7 @@ DW_AVX2 void rows_super(const TiledActivations& ta, int t, int OG, const uint8_t
   const int G = ta.G, GPS = q8act::QBLOCK_SUPER / (OG * q8act::OCTET);
   constexpr int64_t sb = q8act::step_bytes(BITS);
   constexpr int SPAN = (VNNI || BITS == 8) ? 1 : int16_span<BITS>();
-  const int32_t* xq = ta.q.data() + static_cast<int64_t>(t) * ta.octets * MT_MAX * 2;
-  const int32_t* corr = ta.corr.data() + static_cast<int64_t>(t) * G * MT_MAX;
-  const float* xd = ta.d.data() + static_cast<int64_t>(t) * ta.blocks * MT_MAX;
-  const float* xs = ta.xs.data() + static_cast<int64_t>(t) * G * MT_MAX;
+  const auto [xq, corr, xd, xs] = ta.tile(t);
   for (int r = 0; r < MT; ++r)
     for (int h = 0; h < 2; ++h) _mm256_storeu_ps(y + r * N + h * 8, _mm256_setzero_ps());
   for (int s = 0; s < G / GPS; ++s) {
@@ -256,15 +253,7 @@ DW_AVX2 void rows_super(const TiledActivations& ta, int t, int OG, const uint8_t
         }
       }
     }
-    for (int h = 0; h < 2; ++h) {
-      const __m256 D = q8act::SuperScales::super8(rs, h);
-#pragma GCC unroll 4
-      for (int r = 0; r < MT; ++r) {
-        float* yr = y + r * N + h * 8;
-        const __m256 dd = _mm256_mul_ps(D, _mm256_set1_ps(xd[s * MT + r]));
-        _mm256_storeu_ps(yr, _mm256_fmadd_ps(_mm256_cvtepi32_ps(P[r][h]), dd, _mm256_loadu_ps(yr)));
-      }
-    }
+    for (int h = 0; h < 2; ++h) add_scaled<MT>(y, N, h, q8act::SuperScales::super8(rs, h), xd + s * MT, P);
     if (sc.has_min()) {
       const uint8_t* rm = sc.record(sc.m, s);
       for (int h = 0; h < 2; ++h) {

@@ -127,10 +127,7 @@ AVX512VNNI void rows(const TiledActivations& ta, int t, const uint8_t* pk, const
   __m512 acc[CAP];
 #pragma GCC unroll 8
   for (int r = 0; r < mt; ++r) acc[r] = _mm512_setzero_ps();
-  const int32_t* xq = ta.q.data() + static_cast<int64_t>(t) * ta.octets * MT_MAX * 2;
-  const int32_t* corr = ta.corr.data() + static_cast<int64_t>(t) * G * MT_MAX;
-  const float* xd = ta.d.data() + static_cast<int64_t>(t) * ta.blocks * MT_MAX;
-  const float* xs = ta.xs.data() + static_cast<int64_t>(t) * G * MT_MAX;
+  const auto [xq, corr, xd, xs] = ta.tile(t);
   for (int g = 0; g < G; ++g) {
     __m512i dots[CAP];
     group_dots<BITS, MT, OG>(pk + static_cast<int64_t>(g) * og * sb, xq + static_cast<int64_t>(g) * og * mt * 2,
@@ -167,10 +164,7 @@ AVX512VNNI void rows_super(const TiledActivations& ta, int t, const uint8_t* pk,
   __m512 acc[CAP];
 #pragma GCC unroll 8
   for (int r = 0; r < mt; ++r) acc[r] = _mm512_setzero_ps();
-  const int32_t* xq = ta.q.data() + static_cast<int64_t>(t) * ta.octets * MT_MAX * 2;
-  const int32_t* corr = ta.corr.data() + static_cast<int64_t>(t) * G * MT_MAX;
-  const float* xd = ta.d.data() + static_cast<int64_t>(t) * ta.blocks * MT_MAX;
-  const float* xs = ta.xs.data() + static_cast<int64_t>(t) * G * MT_MAX;
+  const auto [xq, corr, xd, xs] = ta.tile(t);
   for (int s = 0; s < G / gps; ++s) {
     const uint8_t* rs = sc.record(sc.s, s);
     __m512i P[CAP];

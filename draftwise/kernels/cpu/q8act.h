@@ -196,6 +196,13 @@ struct TiledActivations {
   std::vector<float> d;        // [tiles][blocks][mt]
   std::vector<float> xs;       // [tiles][G][mt]
 
+  // register tile t's arrays: its rows' code words, offset terms, scales and group terms
+  struct Tile { const int32_t* q; const int32_t* corr; const float* d; const float* xs; };
+  Tile tile(int t) const {
+    return {q.data() + static_cast<int64_t>(t) * octets * TILE * 2, corr.data() + static_cast<int64_t>(t) * G * TILE,
+            d.data() + static_cast<int64_t>(t) * blocks * TILE, xs.data() + static_cast<int64_t>(t) * G * TILE};
+  }
+
   void fill(const q8act::Activations& act) {
     tiles = (act.M + TILE - 1) / TILE;
     octets = act.K / q8act::OCTET;
