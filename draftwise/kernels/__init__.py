@@ -1,6 +1,6 @@
-"""Hand-written CPU kernels, one module per instruction set, compiled on first use with
-torch.utils.cpp_extension (cached under torch's extension directory, so later starts load the built
-library in well under a second).
+"""Hand-written CPU kernels, one module per instruction set, compiled on first use (`build.py`: the
+kernels' and the bindings' units in parallel; cached under torch's extension directory, so later
+starts load the built library in well under a second).
 
 `cpu/avx512.cpp` (AVX512-BF16 dot products, AMX-BF16 tiles where the OS grants them) and
 `cpu/avx2.cpp` (AVX2 + FMA + F16C; built a second time with AVX-VNNI's vpdpbusd for the CPUs
@@ -8,7 +8,7 @@ that have it without AVX-512) each provide the same functions: weight-stationary
 GGUF Q4_1) and int8 linears for every row count, the group-affine linear every GGUF block family
 runs on (`cpu/affine.h` on AVX2 FMAs, `cpu/avx512_affine.h` on AVX512-BF16 dot products; layouts by
 `pack_affine`), the row-invariant attention over fp32 / bf16 / fp16 paged caches, the fused decoder
-layer and layer stack (`cpu/layer.h`, shared), the row argmax.
+layer (`cpu/layer.h`, shared) and layer stack (`cpu/stack.h`), the row argmax.
 
 `isa()` is the one dispatch point: the best ISA this CPU has, or the one `DRAFTWISE_ISA` names
 (amx | avx512 | avx_vnni | avx2 | none; `none` = PyTorch's own kernels). A machine's numbers depend on that ISA
@@ -26,6 +26,7 @@ import threading
 
 import torch
 
+from draftwise.kernels.build import Unit, build_library, import_library
 from draftwise.machine import cpu_flags
 
 logger = logging.getLogger("draftwise")
@@ -129,7 +130,7 @@ def load():
             try:
                 mod = _build(MODULES[chosen])
                 why = None
-            except Exception as e:     # noqa: BLE001 - no compiler, no ninja, a failed build, ...
+            except Exception as e:     # noqa: BLE001 - no compiler, a failed build, ...
                 why = f"the {chosen} kernels could not be built ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
         if mod is None:
             logger.warning("CPU kernels: using PyTorch's (%s)", why)
@@ -139,29 +140,25 @@ def load():
 
 
 def _build(module: KernelModule):
-    from torch.utils.cpp_extension import _get_build_directory, load as build
+    from torch.utils.cpp_extension import _get_build_directory
     name = "draftwise_cpu_" + module.name
     directory = _get_build_directory(name, verbose=False)     # torch's folder (TORCH_EXTENSIONS_DIR honoured)
-    # torch rebuilds an extension when its listed source changes, not its headers: a digest of every
-    # file here in the flags makes any change (an upgrade) rebuild instead of loading a stale library
-    digest = _sources_digest(_CPU_DIR)
-    # torch also rebuilds when the sources' folder changes (another checkout or environment sharing
-    # its extension folder): the stamp names the folder too, so that rebuild prints its line
-    built_from = f"{digest} {_CPU_DIR}"
+    # a digest of every source file, and the folder they are in (another checkout or environment
+    # sharing the extension folder), decides whether the library there is this one
+    built_from = f"{_sources_digest(_CPU_DIR)} {_CPU_DIR}"
+    library = os.path.join(directory, name + ".so")
     with build_lock(directory):
         stamp = os.path.join(directory, "draftwise.built")
-        fresh = not (os.path.exists(os.path.join(directory, name + ".so")) and _read(stamp) == built_from)
-        if fresh:                      # one line while the compiler runs, so a first start is not silence
+        if not (os.path.exists(library) and _read(stamp) == built_from):
+            # one line while the compiler runs, so a first start is not silence
             print(f"draftwise: building the {module.name} CPU kernels for this machine (once after "
-                  "an install or upgrade; 20-30 s on 2 cores) ...", file=sys.stderr, flush=True)
-        mod = build(name=name, sources=[os.path.join(_CPU_DIR, f) for f in module.sources],
-                    extra_include_paths=[_CPU_DIR],
-                    extra_cflags=["-O3", "-fopenmp", f"-DDRAFTWISE_SOURCES={digest}", *module.cflags],
-                    extra_ldflags=["-fopenmp"], build_directory=directory, verbose=False)
-        if fresh:
+                  "an install or upgrade; 15-25 s on 2 cores) ...", file=sys.stderr, flush=True)
+            *kernel_units, bindings = (os.path.join(_CPU_DIR, f) for f in module.sources)
+            units = [*(Unit(src, "-O3") for src in kernel_units), Unit(bindings, "-O1")]
+            build_library(name, units, [f"-I{_CPU_DIR}", "-fopenmp", *module.cflags], ["-fopenmp"], directory)
             with open(stamp, "w") as f:
                 f.write(built_from)
-        return mod
+        return import_library(name, library)
 
 
 def _read(path: str) -> str | None:
@@ -172,27 +169,19 @@ def _read(path: str) -> str | None:
         return None
 
 
-TORCH_BUILD_LOCK = "lock"       # torch.utils.cpp_extension's lock file in a build directory
-
-
 @contextlib.contextmanager
 def build_lock(directory: str):
     """One build of a kernel library at a time across draftwise processes, under a lock the OS
-    releases when its holder dies. torch's own lock is a file that a build killed midway (Ctrl-C on
-    a first run) leaves behind, and every later start then waits on it forever; while this lock is
-    held no other draftwise process is building here, so such a file is stale and is removed."""
+    releases when its holder dies: a build killed midway (Ctrl-C on a first start) never makes a
+    later start wait."""
     try:
         import fcntl
-    except ImportError:                # no POSIX locks: torch's own lock alone
+    except ImportError:                # no POSIX locks (the build still writes its library whole)
         yield
         return
     os.makedirs(directory, exist_ok=True)
     with open(os.path.join(directory, "draftwise.lock"), "w") as f:
         fcntl.flock(f, fcntl.LOCK_EX)
-        stale = os.path.join(directory, TORCH_BUILD_LOCK)
-        if os.path.exists(stale):
-            logger.warning("CPU kernels: removing %s, left by a build that did not finish", stale)
-            os.remove(stale)
         yield                          # closing the file releases the lock
 
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from draftwise import LLM, SamplingParams, kernels
+from draftwise.kernels import build
 from draftwise.layers.quant import quantize_int4_groupwise, quantize_int8_per_channel
 
 
@@ -175,15 +176,11 @@ def test_kernels_id_names_the_isa_and_the_sources(tmp_path):
     assert kernels._sources_digest(str(tmp_path)) != before
 
 
-def test_a_build_killed_midway_leaves_no_lock_that_hangs_later_starts(tmp_path, caplog):
-    """torch's build lock is a plain file that a killed build leaves behind (every later start would
-    wait on it forever); under draftwise's own lock, which the OS releases with its holder, such a
-    file is removed with a warning, and a second build waits only while the first one runs."""
+def test_a_second_build_waits_only_while_the_first_holds_the_lock(tmp_path):
+    """Builds in two processes (here threads) take turns; the lock is the OS's, released with its
+    holder, so a build killed midway never makes a later start wait."""
     import threading
-    stale = tmp_path / kernels.TORCH_BUILD_LOCK
-    stale.write_text("")
-    with caplog.at_level(logging.WARNING, logger="draftwise"), kernels.build_lock(str(tmp_path)):
-        assert not stale.exists()
+    with kernels.build_lock(str(tmp_path)):
         entered = threading.Event()
 
         def second():
@@ -194,4 +191,39 @@ def test_a_build_killed_midway_leaves_no_lock_that_hangs_later_starts(tmp_path, 
         assert not entered.wait(0.3)               # the first build holds the lock
     assert entered.wait(10)                          # released with the first
     t.join()
-    assert "did not finish" in caplog.text
+
+
+_TINY_MODULE = """
+#include <Python.h>
+static PyModuleDef def = {PyModuleDef_HEAD_INIT, "NAME", nullptr, -1, nullptr};
+int answer();
+PyMODINIT_FUNC PyInit_NAME() {
+  PyObject* m = PyModule_Create(&def);
+  PyModule_AddIntConstant(m, "answer", answer());
+  return m;
+}
+"""
+
+
+def _tiny_units(tmp_path, name, body):
+    (tmp_path / "glue.cpp").write_text(_TINY_MODULE.replace("NAME", name))
+    (tmp_path / "work.cpp").write_text(body)
+    return [build.Unit(str(tmp_path / "work.cpp"), "-O3"), build.Unit(str(tmp_path / "glue.cpp"), "-O1")]
+
+
+def test_the_builder_compiles_each_unit_at_its_level_links_and_imports(tmp_path):
+    units = _tiny_units(tmp_path, "dw_tiny_ok", "int answer() { return 42; }")
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "dw_tiny_ok.so.999.partial").write_text("what a killed build left")
+    path = build.build_library("dw_tiny_ok", units, [], [], str(tmp_path / "out"))
+    assert build.import_library("dw_tiny_ok", path).answer == 42
+    log = (tmp_path / "out" / "build.log").read_text().splitlines()
+    assert any("work.cpp" in line and " -O3 " in line for line in log)
+    assert any("glue.cpp" in line and " -O1 " in line for line in log)
+
+
+def test_a_unit_that_does_not_compile_is_named_and_leaves_no_library(tmp_path):
+    units = _tiny_units(tmp_path, "dw_tiny_bad", "int answer() { return undeclared_name; }")
+    with pytest.raises(build.BuildError, match=r"failed on work\.cpp: .*undeclared_name.*build\.log"):
+        build.build_library("dw_tiny_bad", units, [], [], str(tmp_path / "out"))
+    assert not (tmp_path / "out" / "dw_tiny_bad.so").exists()

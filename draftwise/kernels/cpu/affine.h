@@ -202,7 +202,7 @@ torch::Tensor linear(const torch::Tensor& x, int group, const typename C::T* cod
                      int64_t blocks) {
   const int M = x.size(0), K = x.size(1), G = K / group;
   const int N = static_cast<int>(blocks * NB);
-  auto y = at::empty({M, N}, x.options().dtype(torch::kFloat));
+  auto y = new_empty({M, N}, x.options().dtype(torch::kFloat));
   if (M == 0) return y;
   std::vector<float> xf(static_cast<size_t>(M) * K), xs(static_cast<size_t>(M) * G);
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());

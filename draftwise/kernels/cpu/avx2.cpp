@@ -108,7 +108,7 @@ torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& q8, const
                           bool /*use_amx*/) {
   check_int8(x, q8, scale);
   const int M = x.size(0), K = x.size(1), blocks = q8.size(0), N = blocks * NB;
-  auto y = at::empty({M, N}, x.options().dtype(torch::kFloat));
+  auto y = new_empty({M, N}, x.options().dtype(torch::kFloat));
   if (M == 0) return y;
   const std::vector<float> xf = widen_rows(x);
   const int8_t* qp = q8.data_ptr<int8_t>();

@@ -273,7 +273,7 @@ torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& q8, const
   const int blocks = q8.size(0), N = blocks * NB;
   TORCH_CHECK(q8.size(1) * 2 == K && K % GROUP == 0, "K mismatch");
   TORCH_CHECK(scale.scalar_type() == torch::kFloat && scale.numel() == N, "scale: float [N]");
-  auto y = at::empty({M, N}, x.options().dtype(torch::kFloat));
+  auto y = new_empty({M, N}, x.options().dtype(torch::kFloat));
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
   const int8_t* qp = q8.data_ptr<int8_t>();
   const float* sp = scale.data_ptr<float>();
@@ -311,7 +311,7 @@ torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& nibbles, 
   TORCH_CHECK(nibbles.size(1) * 2 == K && K % GROUP == 0, "K mismatch");
   TORCH_CHECK(sm.scalar_type() == torch::kHalf && sm.is_contiguous(), "sm: contiguous fp16");
   const int G = K / GROUP;
-  auto y = at::empty({M, N}, x.options().dtype(torch::kFloat));
+  auto y = new_empty({M, N}, x.options().dtype(torch::kFloat));
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
   // per row and group: the sum of the inputs (the minimums' share), from the same bf16 values, in a
   // fixed order (a row's sums do not depend on the other rows)

@@ -6,6 +6,7 @@
 #include <torch/csrc/utils/pybind.h>   // the at::Tensor caster without the rest of torch/python.h (~7 s less to compile)
 
 #include "kernels.h"
+#include "stack.h"
 #include "suffix.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

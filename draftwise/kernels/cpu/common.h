@@ -7,12 +7,9 @@
 // Packed int8 layout (per output channel): q8 int8 [N/16, K/2, 16, 2] (pairs), scale fp32 [N].
 #pragma once
 
-// the Tensor type and the two operators the kernels call, not ATen/ATen.h (every operator's
-// declaration: ~2.5 s more to compile each translation unit on a first start)
+#include "tensor.h"
+
 #include <ATen/Parallel.h>
-#include <ATen/core/Tensor.h>
-#include <ATen/ops/cat.h>
-#include <ATen/ops/empty.h>
 #include <immintrin.h>
 #include <algorithm>
 #include <atomic>
@@ -24,9 +21,6 @@
 #include <utility>
 #include <vector>
 
-// torch::Tensor, torch::kFloat, ... as torch/types.h spells them, without the Python and libtorch
-// headers: the kernels' translation units include ATen alone, the bindings (bindings.h) the rest
-namespace torch { using namespace at; }
 
 namespace draftwise {
 

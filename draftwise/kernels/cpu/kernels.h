@@ -3,7 +3,7 @@
 // include the Python and libtorch headers, and the two compile in parallel) expose. ATen only.
 #pragma once
 
-#include "common.h"
+#include "tensor.h"
 
 #include <vector>
 

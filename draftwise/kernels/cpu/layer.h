@@ -1,6 +1,6 @@
-// A decoder layer's elementwise work fused around its linears (any kernel form: `Linear`) and the whole
-// layer stack of a row-by-row step in one call - the same for every ISA. The Python module that
-// exposes them is compiled apart (bindings.h), against the declarations in kernels.h.
+// A decoder layer's elementwise work fused around its linears (any kernel form: `Linear`) - the same
+// for every ISA. The Python module that exposes it is compiled apart (bindings.h), against the
+// declarations in kernels.h, and so is the loop over a step's layers (stack.h).
 //
 // One call does what ~25 eager PyTorch ops per layer did (RMSNorm, the bf16 cast, RoPE, SiLU-and-mul,
 // the residual adds). Every row is computed alone, in a fixed order, so a row's values do not depend
@@ -22,16 +22,38 @@
 
 #include "kernels.h"
 
-#include <ATen/record_function.h>
-
 namespace draftwise {
+
+// the parts' outputs [M, N_i] fp32 side by side, [M, sum N_i] (join_columns(ys), without its header)
+inline torch::Tensor join_columns(const std::vector<torch::Tensor>& ys) {
+  const int64_t M = ys[0].size(0);
+  std::vector<const float*> src;
+  std::vector<int64_t> widths;
+  int64_t N = 0;
+  for (const torch::Tensor& t : ys) {
+    TORCH_CHECK(t.scalar_type() == torch::kFloat && t.is_contiguous() && t.size(0) == M, "parts: fp32 [M, N_i]");
+    src.push_back(t.data_ptr<float>());
+    widths.push_back(t.size(1));
+    N += t.size(1);
+  }
+  auto y = new_empty({M, N}, ys[0].options());
+  float* yp = y.data_ptr<float>();
+  for_rows(M, [&](int64_t r) {
+    float* dst = yp + r * N;
+    for (size_t i = 0; i < src.size(); ++i) {
+      std::memcpy(dst, src[i] + r * widths[i], widths[i] * sizeof(float));
+      dst += widths[i];
+    }
+  });
+  return y;
+}
 
 torch::Tensor Linear::operator()(const torch::Tensor& x) const {
   std::vector<torch::Tensor> ys;
   for (const Part& p : parts)
     ys.push_back(p.int4 ? int4_linear(x, p.codes, p.scale, use_amx)
                         : affine_linear(x, p.codes, p.scale, p.minimum, p.group, p.offset, p.high_bits));
-  torch::Tensor y = ys.size() == 1 ? ys[0] : at::cat(ys, 1);
+  torch::Tensor y = ys.size() == 1 ? ys[0] : join_columns(ys);
   if (bias.numel()) {
     const int64_t M = y.size(0), N = y.size(1);
     TORCH_CHECK(bias.numel() == N && bias.scalar_type() == torch::kFloat && bias.is_contiguous(), "bias: fp32 [N]");
@@ -103,13 +125,13 @@ torch::Tensor attn_in(const torch::Tensor& x, const torch::Tensor& norm_w, doubl
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous(), "x: contiguous fp32 [M, H]");
   TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.size(1) == D, "cos / sin: contiguous [M, D]");
   const int M = x.size(0), H = x.size(1);
-  auto h = at::empty({M, H}, x.options().dtype(torch::kBFloat16));
+  auto h = new_empty({M, H}, x.options().dtype(torch::kBFloat16));
   rms_norm_rows_bf16(x.data_ptr<float>(), norm_w.data_ptr<float>(), M, H, static_cast<float>(eps),
                      reinterpret_cast<uint16_t*>(h.data_ptr<at::BFloat16>()));
   auto qkv = qkv_proj(h);                                          // [M, (nq + 2 nkv) D]
   const int64_t W = (nq + 2 * nkv) * D;
   TORCH_CHECK(qkv.size(1) == W, "qkv width");
-  auto q = at::empty({M, nq * D}, x.options());
+  auto q = new_empty({M, nq * D}, x.options());
   std::vector<float> k(static_cast<size_t>(M) * nkv * D), v(static_cast<size_t>(M) * nkv * D);
   float* qp = q.data_ptr<float>();
   const float* qkvp = qkv.data_ptr<float>();
@@ -142,7 +164,7 @@ torch::Tensor attn_out_mlp(const torch::Tensor& x, const torch::Tensor& attn, co
               "attn: contiguous fp32 or bf16");
   const int M = x.size(0), H = x.size(1);
   // the attention output in bf16 (the o_proj input): converted here, or as the bf16 attention gave it
-  auto a16 = attn.scalar_type() == torch::kBFloat16 ? attn : at::empty({M, attn.size(1)}, x.options().dtype(torch::kBFloat16));
+  auto a16 = attn.scalar_type() == torch::kBFloat16 ? attn : new_empty({M, attn.size(1)}, x.options().dtype(torch::kBFloat16));
   if (attn.scalar_type() == torch::kFloat) {
     const float* ap = attn.data_ptr<float>();
     uint16_t* o = reinterpret_cast<uint16_t*>(a16.data_ptr<at::BFloat16>());
@@ -157,12 +179,12 @@ torch::Tensor attn_out_mlp(const torch::Tensor& x, const torch::Tensor& attn, co
     if (ex.post_attn_norm.numel()) rms_norm_fp32(x1p + r * H, ex.post_attn_norm.data_ptr<float>(), H, feps);
     for (int64_t i = 0; i < H; ++i) x1p[r * H + i] = xp[r * H + i] + x1p[r * H + i];
   });
-  auto h = at::empty({M, H}, x.options().dtype(torch::kBFloat16));
+  auto h = new_empty({M, H}, x.options().dtype(torch::kBFloat16));
   rms_norm_rows_bf16(x1p, norm_w.data_ptr<float>(), M, H, static_cast<float>(eps),
                      reinterpret_cast<uint16_t*>(h.data_ptr<at::BFloat16>()));
   auto gu = gate_up_proj(h);                                         // [M, 2 I]
   const int I = gu.size(1) / 2;
-  auto act = at::empty({M, I}, x.options().dtype(torch::kBFloat16));
+  auto act = new_empty({M, I}, x.options().dtype(torch::kBFloat16));
   uint16_t* ap = reinterpret_cast<uint16_t*>(act.data_ptr<at::BFloat16>());
   const float* gup = gu.data_ptr<float>();
   for_rows(M, [&](int64_t r) {
@@ -178,40 +200,6 @@ torch::Tensor attn_out_mlp(const torch::Tensor& x, const torch::Tensor& attn, co
   return y;
 }
 
-// --- the whole layer stack of a decode / verification step in one call ------------------------------
-// A step whose rows all attend row by row (decode, chain or tree verification) runs every layer as
-// attn_in -> attend_rows -> attn_out_mlp; doing that loop here instead of in Python saves ~40 us of
-// interpreter and dispatch per layer (over a millisecond per step of a 30-layer model, ~15 % of a
-// plain decode step). The same calls in the same order: the numbers are those of the per-layer path.
-std::vector<torch::Tensor> FusedStack::run(torch::Tensor x, const torch::Tensor& cos, const torch::Tensor& sin,
-                                           const torch::Tensor& cos_local, const torch::Tensor& sin_local,
-                                           const torch::Tensor& slots, const RowPlan& plan, const RowPlan& local_plan,
-                                           const std::vector<int64_t>& capture) {
-  std::vector<torch::Tensor> out(1);
-  const int64_t T = x.size(0);
-  size_t c = 0;
-  for (size_t l = 0; l < qkv.size(); ++l) {
-    if (c < capture.size() && capture[c] == static_cast<int64_t>(l)) { out.push_back(x); ++c; }
-    torch::Tensor q, a;
-    {
-      RECORD_FUNCTION("draftwise::attn_in", std::vector<c10::IValue>());
-      q = attn_in(x, in_norm[l], eps, qkv[l], local[l] ? cos_local : cos, local[l] ? sin_local : sin, nq, nkv, D,
-                  slots, k_caches[l], v_caches[l], extras[l]);
-    }
-    {
-      RECORD_FUNCTION("draftwise::attend_rows", std::vector<c10::IValue>());
-      a = at::empty({T, nq, D}, x.options());
-      const RowPlan& p = local[l] ? local_plan : plan;
-      attend_rows(q.view({T, nq, D}), k_caches[l], v_caches[l], a, p.rows, p.lens, p.slot_lists, p.slot_tensors,
-                  scale);
-    }
-    RECORD_FUNCTION("draftwise::attn_out_mlp", std::vector<c10::IValue>());
-    x = attn_out_mlp(x, a.view({T, nq * D}), o[l], post_norm[l], eps, gate_up[l], down[l], extras[l]);
-  }
-  out[0] = x;
-  return out;
-}
-
 // logits [M, V] fp32 -> int64 [M]: each row's argmax (first index of the maximum, as torch.argmax),
 // rows in parallel chunks
 torch::Tensor row_argmax(const torch::Tensor& logits) {
@@ -219,7 +207,7 @@ torch::Tensor row_argmax(const torch::Tensor& logits) {
               "logits: contiguous fp32 [M, V]");
   const int64_t M = logits.size(0), V = logits.size(1);
   TORCH_CHECK(V > 0 && V < (int64_t(1) << 31), "vocabulary size");
-  auto out = at::empty({M}, logits.options().dtype(torch::kLong));
+  auto out = new_empty({M}, logits.options().dtype(torch::kLong));
   const float* lp = logits.data_ptr<float>();
   int64_t* op = out.data_ptr<int64_t>();
   for_rows(M, [&](int64_t r) { op[r] = argmax_row(lp + r * V, V); });

@@ -275,7 +275,7 @@ torch::Tensor dot_linear(const torch::Tensor& x, const torch::Tensor& codes, con
               high_bits_name(high_bits), ", but these kernels read ", high_bits_name(reads),
               " (pack the weight under the ISA that runs it)");
   const int M = x.size(0), K = x.size(1), G = K / static_cast<int>(group);
-  auto y = at::empty({M, codes.size(0) * NB}, x.options().dtype(torch::kFloat));
+  auto y = new_empty({M, codes.size(0) * NB}, x.options().dtype(torch::kFloat));
   if (M == 0) return y;
   const bool super = scale.scalar_type() == torch::kByte;
   Activations acts(M, K, static_cast<int>(group), super ? QBLOCK_SUPER : QBLOCK);
