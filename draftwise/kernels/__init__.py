@@ -40,7 +40,7 @@ _AVX2 = ["-mavx2", "-mfma", "-mf16c"]
 @dataclasses.dataclass(frozen=True)
 class KernelModule:
     """One ISA's compiled module: its kernels and their Python bindings, translation units compiled
-    in parallel (the bindings alone include the Python and libtorch headers)."""
+    in parallel (the bindings alone include the Python and libtorch headers, and build at -O1)."""
     name: str
     sources: tuple[str, ...]        # the kernels' units, the bindings' last
     high_bits: str                  # where its 5- and 6-bit dot layouts keep the codes' high bits (HIGH_BITS)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import os
+import shlex
 import subprocess
 import sysconfig
 
@@ -55,24 +56,25 @@ def build_library(name: str, units: list[Unit], cflags: list[str], ldflags: list
     level, link them into `directory/name.so`, and return its path. Raises BuildError naming the
     failed step; the compilers' output is in `directory/build.log`."""
     os.makedirs(directory, exist_ok=True)
-    cxx = os.environ.get("CXX", "c++")
+    cxx = shlex.split(os.environ.get("CXX", "c++"))      # e.g. "ccache g++"
     log_path = os.path.join(directory, "build.log")
     objects, procs = [], []
     with open(log_path, "w") as log:
         for unit in units:
             obj = os.path.join(directory, os.path.splitext(os.path.basename(unit.source))[0] + ".o")
-            cmd = [cxx, *compile_flags(name), *cflags, unit.opt, "-c", unit.source, "-o", obj]
+            cmd = [*cxx, *compile_flags(name), *cflags, unit.opt, "-c", unit.source, "-o", obj]
             log.write(" ".join(cmd) + "\n")
             log.flush()
             procs.append((unit, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)))
             objects.append(obj)
         failed = [unit.source for unit, p in procs if p.wait() != 0]
         if failed:
-            raise BuildError(f"{cxx} failed on {', '.join(map(os.path.basename, failed))}: {_first_error(log_path)} "
+            names = ", ".join(map(os.path.basename, failed))
+            raise BuildError(f"{cxx[-1]} failed on {names}: {_first_error(log_path)} "
                              f"(the compiler's output: {log_path})")
         final = os.path.join(directory, name + ".so")
         partial = f"{final}.{os.getpid()}.partial"
-        cmd = [cxx, *objects, *ldflags, *link_flags(), "-o", partial]
+        cmd = [*cxx, *objects, *ldflags, *link_flags(), "-o", partial]
         log.write(" ".join(cmd) + "\n")
         log.flush()
         if subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT).returncode != 0:
