@@ -317,7 +317,8 @@ class LLMEngine:
         except Exception:                    # noqa: BLE001 - drafts only ever save time
             logger.exception("the drafter failed; this step's requests decode without drafts")
             return
-        t_draft = time.perf_counter() - t_draft
+        # a draft model's catch-up on tokens it was not fed step by step is left out of the price
+        t_draft = time.perf_counter() - t_draft - self.worker.catch_up_seconds
         if self.policy is not None:
             self.policy.observe_draft_time(len(sched.scheduled), k, t_draft)
         if allocator is not None:

@@ -170,9 +170,13 @@ class DraftModelProposer(Proposer):
     def propose(self, inp: ProposerInput, kv_cache, block_size: int, num_spec_tokens: int):
         R = len(inp.query_lens)
         out: list[Draft | None] = [None] * R
+        self.last_catch_up_seconds = 0.0
         if not any(inp.want_draft) or num_spec_tokens <= 0:
             return out                   # nothing to draft: the positions are caught up later
-        roots = self._feed(self._segments(inp), inp, kv_cache, block_size)
+        segs = self._segments(inp)
+        t0 = time.perf_counter()
+        roots = self._feed(segs, inp, kv_cache, block_size)
+        self.last_catch_up_seconds = catch_up_share(segs, num_spec_tokens) * (time.perf_counter() - t0)
         want = [i for i in range(R) if inp.want_draft[i] and i in roots]
         dev = inp.token_ids.device
         sel = torch.tensor(want, device=dev)
@@ -214,6 +218,18 @@ class DraftModelProposer(Proposer):
             # position after the root on: those the target keeps need not be fed again
             self._chain_fed[inp.requests[i].request_id] = (inp.seq_lens[i] + 1, d[j][:len(drafts) - 1])
         return out
+
+
+def catch_up_share(segs: list[_Segment], num_spec_tokens: int) -> float:
+    """The share of a feed's rows that catch requests up: those beyond what a request drafting
+    every step feeds (the tokens its last verification emitted, at most all K drafts and the bonus
+    token, then the root). A request that has not drafted for a while - the allocation skipped
+    it, or it is a new turn of a long conversation - feeds every token since in one prefill-like
+    pass; each token is fed once whichever step feeds it, so that work is no price of this step's
+    draft, and counting it there made one long prompt price drafting out for the rest of a run."""
+    steady = num_spec_tokens + 2
+    rows = sum(len(s.tokens) for s in segs)
+    return sum(max(0, len(s.tokens) - steady) for s in segs) / rows if rows else 0.0
 
 
 def _matching_prefix_end(tokens, start: int, fed, limit: int) -> int:

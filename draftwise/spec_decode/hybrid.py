@@ -148,5 +148,6 @@ class HybridProposer(Proposer):
         use_model, k = self._model_requests(inp, fast, num_spec_tokens) if num_spec_tokens > 0 else ([False] * n, 0)
         t0 = time.perf_counter()
         model_drafts = self.drafter.propose(replace(inp, want_draft=use_model), kv_cache, block_size, k)
-        self.model_seconds.observe(sum(use_model), time.perf_counter() - t0)
+        self.last_catch_up_seconds = self.drafter.last_catch_up_seconds
+        self.model_seconds.observe(sum(use_model), time.perf_counter() - t0 - self.last_catch_up_seconds)
         return [m if use else f for use, f, m in zip(use_model, fast, model_drafts)]

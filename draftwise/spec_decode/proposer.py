@@ -43,6 +43,10 @@ class Proposer:
     needs_aux_hidden_states = False
     reads_target_rows = True              # False: drafts from the requests' token histories alone
     num_lookahead_tokens = 0
+    # seconds of the last `propose` spent catching the drafter up on tokens a request drafting every
+    # step would have been fed step by step (a draft model's lazy catch-up); the draft allocation
+    # prices drafting without them
+    last_catch_up_seconds = 0.0
 
     def kv_layer_specs(self) -> list[tuple[int, int]]:
         return []

@@ -115,6 +115,11 @@ class Worker:
         `max_requests`, for at most that many of them; `next_step`: what they are weighed against."""
         return self.runner.propose(step, num_tokens, max_requests, next_step)
 
+    @property
+    def catch_up_seconds(self) -> float:
+        """Seconds of the last `propose` the drafter spent catching up (Proposer.last_catch_up_seconds)."""
+        return self.proposer.last_catch_up_seconds if self.proposer is not None else 0.0
+
     def on_request_finished(self, request) -> None:
         if self.proposer is not None:
             self.proposer.on_request_finished(request)

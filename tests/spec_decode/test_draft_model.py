@@ -8,6 +8,7 @@ import pytest
 from tests.helpers import make_tiny_hf
 from tests.spec_decode.test_spec_decode import chi2_critical, two_sample_chi2
 from draftwise import LLM, SamplingParams
+from draftwise.spec_decode.draft_model import _Segment, catch_up_share
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [3] * 20, list(range(30, 70)), [7, 7, 7], [12, 13, 12, 13, 12, 13, 12]]
 K = 4
@@ -314,3 +315,13 @@ def test_a_gguf_draft_model_re_quantized_at_load_is_lossless(tmp_path, monkeypat
         LLM(target, speculative_config=_spec(draft, quantization="int3"))
     with pytest.raises(ValueError, match="applies to method 'draft_model' only"):
         LLM(target, speculative_config={"method": "suffix", "quantization": "Q4_0"})
+
+
+def test_only_rows_beyond_a_steady_step_count_as_catching_up():
+    """A request drafting every step feeds at most K + 2 rows (its emitted tokens, then the root);
+    rows beyond that - a new turn's prompt, tokens of steps it did not draft in - catch it up."""
+    steady = _Segment(0, 10, list(range(6)))                 # K = 4: 6 rows, nothing to catch up
+    assert catch_up_share([steady], 4) == 0.0
+    long_turn = _Segment(1, 0, list(range(106)))             # 100 rows beyond a steady step
+    assert catch_up_share([steady, long_turn], 4) == 100 / 112
+    assert catch_up_share([], 4) == 0.0
