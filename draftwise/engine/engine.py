@@ -318,7 +318,7 @@ class LLMEngine:
             logger.exception("the drafter failed; this step's requests decode without drafts")
             return
         # a draft model's catch-up on tokens it was not fed step by step is left out of the price
-        t_draft = time.perf_counter() - t_draft - self.worker.catch_up_seconds
+        t_draft = max(0.0, time.perf_counter() - t_draft - self.worker.catch_up_seconds)
         if self.policy is not None:
             self.policy.observe_draft_time(len(sched.scheduled), k, t_draft)
         if allocator is not None:

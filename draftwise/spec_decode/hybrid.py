@@ -149,5 +149,5 @@ class HybridProposer(Proposer):
         t0 = time.perf_counter()
         model_drafts = self.drafter.propose(replace(inp, want_draft=use_model), kv_cache, block_size, k)
         self.last_catch_up_seconds = self.drafter.last_catch_up_seconds
-        self.model_seconds.observe(sum(use_model), time.perf_counter() - t0 - self.last_catch_up_seconds)
+        self.model_seconds.observe(sum(use_model), max(0.0, time.perf_counter() - t0 - self.last_catch_up_seconds))
         return [m if use else f for use, f, m in zip(use_model, fast, model_drafts)]

@@ -113,6 +113,8 @@ class Worker:
                 next_step: NextStep | None = None):
         """Drafts for the next step, one per scheduled request (None where it gets none); with
         `max_requests`, for at most that many of them; `next_step`: what they are weighed against."""
+        if self.proposer is not None:        # a call that drafts for none leaves it at 0
+            self.proposer.last_catch_up_seconds = 0.0
         return self.runner.propose(step, num_tokens, max_requests, next_step)
 
     @property

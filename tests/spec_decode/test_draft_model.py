@@ -188,6 +188,35 @@ def test_the_cost_aware_hybrid_is_lossless_and_drafts_with_both(models, referenc
     assert by_source["draft_model"]["num_drafts"] > 0 and by_source["suffix"]["num_drafts"] > 0
 
 
+def test_the_allocation_prices_drafting_without_the_draft_models_catch_up(models, reference, monkeypatch):
+    """A request's first draft feeds the draft model its whole prompt: that share of the call is
+    what the worker reports as catch-up (the engine leaves it out of the drafting seconds the
+    allocation learns); a call that drafts for no request - the runner then never reaches the
+    drafter - reports none, not the last drafting call's."""
+    from draftwise.spec_decode.allocation import DraftAllocator
+    from draftwise.worker.worker import Worker
+    calls, priced = [], []
+    propose, observe = Worker.propose, DraftAllocator.observe_drafting
+
+    def recording_propose(self, *a):
+        drafts = propose(self, *a)
+        calls.append((any(d is not None for d in drafts), self.catch_up_seconds))
+        return drafts
+
+    def recording_observe(self, seconds, requests=1):
+        priced.append(seconds)
+        observe(self, seconds, requests)
+    monkeypatch.setattr(Worker, "propose", recording_propose)
+    monkeypatch.setattr(DraftAllocator, "observe_drafting", recording_observe)
+    target, other = models
+    _, outs = _run(target, _spec(other, allocate_drafts=True), max_num_seqs=2)
+    assert outs == reference
+    assert any(seconds > 0 for _, seconds in calls)                  # the prompts' first drafts
+    assert any(not drafted for drafted, _ in calls)
+    assert all(seconds == 0 for drafted, seconds in calls if not drafted)
+    assert priced and min(priced) >= 0.0
+
+
 def test_chains_end_after_a_doubtful_token(models, reference, monkeypatch):
     target, other = models
     for threshold, check in ((1.0, lambda n: n == 1), (0.0, lambda n: n == K)):
