@@ -26,7 +26,7 @@ import threading
 
 import torch
 
-from draftwise.kernels.build import Unit, build_library, import_library
+from draftwise.kernels.build import Unit, build_library, import_library, library_path
 from draftwise.machine import cpu_flags
 
 logger = logging.getLogger("draftwise")
@@ -146,7 +146,7 @@ def _build(module: KernelModule):
     # a digest of every source file, and the folder they are in (another checkout or environment
     # sharing the extension folder), decides whether the library there is this one
     built_from = f"{_sources_digest(_CPU_DIR)} {_CPU_DIR}"
-    library = os.path.join(directory, name + ".so")
+    library = library_path(name, directory)
     with build_lock(directory):
         stamp = os.path.join(directory, "draftwise.built")
         if not (os.path.exists(library) and _read(stamp) == built_from):

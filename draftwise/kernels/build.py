@@ -51,6 +51,11 @@ def link_flags() -> list[str]:
     return ["-shared", *(f"-L{p}" for p in library_paths()), "-lc10", "-ltorch_cpu", "-ltorch", "-ltorch_python"]
 
 
+def library_path(name: str, directory: str) -> str:
+    """Where `build_library` puts the module `name` built in `directory`."""
+    return os.path.join(directory, name + ".so")
+
+
 def build_library(name: str, units: list[Unit], cflags: list[str], ldflags: list[str], directory: str) -> str:
     """Compile `units` in parallel (one compiler process each) with `cflags` and each unit's own
     level, link them into `directory/name.so`, and return its path. Raises BuildError naming the
@@ -58,11 +63,12 @@ def build_library(name: str, units: list[Unit], cflags: list[str], ldflags: list
     os.makedirs(directory, exist_ok=True)
     cxx = shlex.split(os.environ.get("CXX", "c++"))      # e.g. "ccache g++"
     log_path = os.path.join(directory, "build.log")
+    flags = [*compile_flags(name), *cflags]
     objects, procs = [], []
     with open(log_path, "w") as log:
         for unit in units:
             obj = os.path.join(directory, os.path.splitext(os.path.basename(unit.source))[0] + ".o")
-            cmd = [*cxx, *compile_flags(name), *cflags, unit.opt, "-c", unit.source, "-o", obj]
+            cmd = [*cxx, *flags, unit.opt, "-c", unit.source, "-o", obj]
             log.write(" ".join(cmd) + "\n")
             log.flush()
             procs.append((unit, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)))
@@ -72,7 +78,7 @@ def build_library(name: str, units: list[Unit], cflags: list[str], ldflags: list
             names = ", ".join(map(os.path.basename, failed))
             raise BuildError(f"{cxx[-1]} failed on {names}: {_first_error(log_path)} "
                              f"(the compiler's output: {log_path})")
-        final = os.path.join(directory, name + ".so")
+        final = library_path(name, directory)
         partial = f"{final}.{os.getpid()}.partial"
         cmd = [*cxx, *objects, *ldflags, *link_flags(), "-o", partial]
         log.write(" ".join(cmd) + "\n")
