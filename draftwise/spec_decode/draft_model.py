@@ -61,6 +61,7 @@ class DraftModelProposer(Proposer):
         self.max_rows = max(1, max_rows_per_pass)
         self._synced: dict[str, tuple[int, int]] = {}    # request id -> (num_preemptions, synced)
         self.pass_seconds = DraftingSeconds()            # a one-row-per-request pass, by requests
+        self.catch_up_row_seconds = 0.0                  # decayed mean seconds a catch-up row costs
         # request id -> (position, chain tokens the last chain draft fed from there on)
         self._chain_fed: dict[str, tuple[int, list[int]]] = {}
         if topk > 1:      # tree verification writes 1 + K nodes; tree drafting (depth-1)*topk past the root
@@ -97,6 +98,16 @@ class DraftModelProposer(Proposer):
         if not self.pass_seconds.means:
             return None
         return num_spec_tokens * self.pass_seconds.mean(num_requests)
+
+    def catch_up_seconds(self, inp: ProposerInput, i: int) -> float:
+        """Seconds request i's next draft would spend catching the draft model up: the rows beyond
+        a steady step's it has not been fed (every token since it last drafted), at the measured
+        seconds of a catch-up row (0 until one was measured)."""
+        req = inp.requests[i]
+        pre, synced = self._synced.get(req.request_id, (req.num_preemptions, 0))
+        if pre != req.num_preemptions:
+            synced = 0
+        return max(0, inp.seq_lens[i] + 1 - synced - (self.k + 2)) * self.catch_up_row_seconds
 
     # ------------------------------------------------------------------------------------------
     def _segments(self, inp: ProposerInput) -> list[_Segment]:
@@ -177,6 +188,10 @@ class DraftModelProposer(Proposer):
         t0 = time.perf_counter()
         roots = self._feed(segs, inp, kv_cache, block_size)
         self.last_catch_up_seconds = catch_up_share(segs, num_spec_tokens) * (time.perf_counter() - t0)
+        rows = sum(max(0, len(s.tokens) - (num_spec_tokens + 2)) for s in segs)
+        if rows:
+            per_row, old = self.last_catch_up_seconds / rows, self.catch_up_row_seconds
+            self.catch_up_row_seconds = per_row if old == 0.0 else old + 0.1 * (per_row - old)
         want = [i for i in range(R) if inp.want_draft[i] and i in roots]
         dev = inp.token_ids.device
         sel = torch.tensor(want, device=dev)

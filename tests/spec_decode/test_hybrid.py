@@ -53,3 +53,53 @@ def test_drafting_seconds_are_marginal_and_borrow_the_nearest_measured_count():
     assert abs(s.marginal(2) - 0.010) < 1e-12       # bucket 2 unmeasured: bucket 1 is nearest
     assert abs(s.marginal(7) - 0.028) < 1e-12       # 5-8 share a bucket
     assert abs(s.marginal(64) - 0.028) < 1e-12
+
+
+def test_a_request_whose_catch_up_outweighs_its_gain_keeps_its_training_free_draft():
+    """Two requests alike but for what the model must catch up on before drafting for them (spread
+    over their remaining steps): only the one without goes to the model."""
+    chain = [0.9, 0.8, 0.7, 0.6]
+    got = choose_model_drafts([[0.3], [0.3]], chain, _rate(), lambda m, k: 0.002 * m, request_seconds=[0.050, 0.0])
+    assert got[0] == [False, True]
+    assert choose_model_drafts([[0.3], [0.3]], chain, _rate(), lambda m, k: 0.002 * m,
+                               request_seconds=[0.0, 0.0])[0] == [True, True]
+
+
+def _hybrid(catch_up=None):
+    from types import SimpleNamespace
+    from draftwise.spec_decode.hybrid import HybridProposer
+    model = SimpleNamespace(method="draft_model", needs_aux_hidden_states=False, num_lookahead_tokens=5)
+    if catch_up is not None:
+        model.catch_up_seconds = catch_up
+    return HybridProposer(model, SimpleNamespace(method="suffix"), 8)
+
+
+def test_a_catch_up_is_spread_over_the_steps_a_request_has_left():
+    from types import SimpleNamespace
+    h = _hybrid(lambda inp, i: 0.4)
+    req = lambda limit, done: SimpleNamespace(params=SimpleNamespace(max_tokens=limit), output_token_ids=[0] * done)  # noqa: E731
+    inp = SimpleNamespace(requests=[req(400, 0), req(400, 396), req(None, 0), req(400, 0)],
+                          want_draft=[True, True, True, False])
+    chain = [1.0, 1.0, 1.0, 1.0]                      # 5 tokens a step with model drafts
+    got = h._catch_up_per_step(inp, chain)
+    assert abs(got[0] - 0.4 / 80) < 1e-12            # 400 tokens left: 80 steps
+    assert abs(got[1] - 0.4) < 1e-12                 # 4 tokens left: this step pays it all
+    assert got[2] == 0.0 and got[3] == 0.0           # no limit / no draft wanted
+    assert _hybrid()._catch_up_per_step(inp, chain) is None   # a drafter without catch-up
+
+
+def test_explorations_wait_until_the_last_ones_seconds_are_repaid():
+    """With a step priced at 10 ms, an exploration costing 50 ms (a catch-up) is repaid by 500
+    steps' 1 % share: none comes before, one comes after."""
+    h = _hybrid()
+    fast, chain = [[0.2]], [0.9, 0.9]
+    explored = []
+    for step in range(1200):
+        if h._explored([False], fast, chain, 0.010) == [True]:
+            explored.append(step)
+            h._charge_exploration(0.050)
+    assert explored[0] == h.EXPLORE_EVERY - 1
+    gaps = [b - a for a, b in zip(explored, explored[1:])]
+    share = h.EXPLORE_SHARE * 0.010                   # the budget holds at most MAX_EXPLORE_EVERY shares
+    assert gaps and all((0.050 - share * h.MAX_EXPLORE_EVERY) / share <= g <= 0.050 / share + 1 for g in gaps)
+    assert _hybrid()._explored([False], fast, chain, None) == [False]          # no step costs: counts only
