@@ -47,6 +47,10 @@ class _Segment:
 
 class DraftModelProposer(Proposer):
     method = "draft_model"
+    # a catch-up row's seconds are learned from feeds of at least this many catch-up rows: a few
+    # rows share a pass's fixed cost (a 1-row pass of the 0.5B is ~11 ms, 0.3 ms a row in a feed
+    # of hundreds), and priced from those a new turn's prompt looked several times its cost
+    CATCH_UP_ROWS_MEASURED = 32
 
     def __init__(self, draft, num_speculative_tokens: int, topk: int = 1, depth: int | None = None,
                  max_rows_per_pass: int = 512, row_invariant: bool = False, confidence_threshold: float = 0.0):
@@ -189,7 +193,7 @@ class DraftModelProposer(Proposer):
         roots = self._feed(segs, inp, kv_cache, block_size)
         self.last_catch_up_seconds = catch_up_share(segs, num_spec_tokens) * (time.perf_counter() - t0)
         rows = sum(max(0, len(s.tokens) - (num_spec_tokens + 2)) for s in segs)
-        if rows:
+        if rows >= self.CATCH_UP_ROWS_MEASURED:
             per_row, old = self.last_catch_up_seconds / rows, self.catch_up_row_seconds
             self.catch_up_row_seconds = per_row if old == 0.0 else old + 0.1 * (per_row - old)
         want = [i for i in range(R) if inp.want_draft[i] and i in roots]

@@ -217,6 +217,18 @@ def test_the_allocation_prices_drafting_without_the_draft_models_catch_up(models
     assert priced and min(priced) >= 0.0
 
 
+def test_a_catch_up_rows_seconds_are_learned_from_long_feeds_only(models, reference, monkeypatch):
+    """What the hybrid charges a request for its pending catch-up comes from feeds of many catch-up
+    rows (the 40-token prompt's first draft here), not from a few rows sharing a pass's cost."""
+    from draftwise.spec_decode.draft_model import DraftModelProposer
+    target, other = models
+    llm, outs = _run(target, _spec(other))
+    assert outs == reference and llm.engine.worker.proposer.catch_up_row_seconds > 0
+    monkeypatch.setattr(DraftModelProposer, "CATCH_UP_ROWS_MEASURED", 10 ** 6)
+    llm, outs = _run(target, _spec(other))
+    assert outs == reference and llm.engine.worker.proposer.catch_up_row_seconds == 0.0
+
+
 def test_chains_end_after_a_doubtful_token(models, reference, monkeypatch):
     target, other = models
     for threshold, check in ((1.0, lambda n: n == 1), (0.0, lambda n: n == K)):
