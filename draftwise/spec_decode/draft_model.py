@@ -111,7 +111,7 @@ class DraftModelProposer(Proposer):
         pre, synced = self._synced.get(req.request_id, (req.num_preemptions, 0))
         if pre != req.num_preemptions:
             synced = 0
-        return max(0, inp.seq_lens[i] + 1 - synced - (self.k + 2)) * self.catch_up_row_seconds
+        return max(0, inp.seq_lens[i] + 1 - synced - steady_rows(self.k)) * self.catch_up_row_seconds
 
     # ------------------------------------------------------------------------------------------
     def _segments(self, inp: ProposerInput) -> list[_Segment]:
@@ -192,7 +192,7 @@ class DraftModelProposer(Proposer):
         t0 = time.perf_counter()
         roots = self._feed(segs, inp, kv_cache, block_size)
         self.last_catch_up_seconds = catch_up_share(segs, num_spec_tokens) * (time.perf_counter() - t0)
-        rows = sum(max(0, len(s.tokens) - (num_spec_tokens + 2)) for s in segs)
+        rows = catch_up_rows(segs, num_spec_tokens)
         if rows >= self.CATCH_UP_ROWS_MEASURED:
             per_row, old = self.last_catch_up_seconds / rows, self.catch_up_row_seconds
             self.catch_up_row_seconds = per_row if old == 0.0 else old + 0.1 * (per_row - old)
@@ -239,16 +239,25 @@ class DraftModelProposer(Proposer):
         return out
 
 
+def steady_rows(num_spec_tokens: int) -> int:
+    """The most rows a request drafting every step feeds: the tokens its last verification
+    emitted (at most all K drafts and the bonus token), then the root."""
+    return num_spec_tokens + 2
+
+
+def catch_up_rows(segs: list[_Segment], num_spec_tokens: int) -> int:
+    """A feed's rows beyond its requests' steady rows: those that catch them up."""
+    steady = steady_rows(num_spec_tokens)
+    return sum(max(0, len(s.tokens) - steady) for s in segs)
+
+
 def catch_up_share(segs: list[_Segment], num_spec_tokens: int) -> float:
-    """The share of a feed's rows that catch requests up: those beyond what a request drafting
-    every step feeds (the tokens its last verification emitted, at most all K drafts and the bonus
-    token, then the root). A request that has not drafted for a while - the allocation skipped
+    """The share of a feed's rows that catch requests up (`catch_up_rows`). A request that has not drafted for a while - the allocation skipped
     it, or it is a new turn of a long conversation - feeds every token since in one prefill-like
     pass; each token is fed once whichever step feeds it, so that work is no price of this step's
     draft, and counting it there made one long prompt price drafting out for the rest of a run."""
-    steady = num_spec_tokens + 2
     rows = sum(len(s.tokens) for s in segs)
-    return sum(max(0, len(s.tokens) - steady) for s in segs) / rows if rows else 0.0
+    return catch_up_rows(segs, num_spec_tokens) / rows if rows else 0.0
 
 
 def _matching_prefix_end(tokens, start: int, fed, limit: int) -> int:

@@ -42,23 +42,24 @@ def choose_model_drafts(fast_accept: list[list[float] | None], model_chain: list
                     passes (a draft model's catch-up on the request, spread over its remaining
                     steps; default none).
     For each length, requests go to the model in order of its expected gain over their own draft
-    (less their own seconds, as tokens at the step's rate without model drafts) and the prefix with the best step rate is kept (of the prefixes of 1, 2, 4, ... requests and of
-    all that gain: a batch of R requests costs O(log R) rate evaluations per length); the best (length, prefix) wins - none, if no
-    prefix beats the training-free drafts alone."""
+    (less their own seconds, as tokens at the step's rate without model drafts) and the prefix
+    with the best step rate is kept (of the prefixes of 1, 2, 4, ... requests and of all that
+    gain: a batch of R requests costs O(log R) rate evaluations per length); the best (length,
+    prefix) wins - none, if no prefix beats the training-free drafts alone."""
+    own = request_seconds or [0.0] * len(fast_accept)
     best_rate = base = step_rate([a or [] for a in fast_accept], 0.0)
     best_set, best_k = [], len(model_chain)
     for k in lengths or (len(model_chain),):
         chain = model_chain[:k]
         model_sum = sum(chain)
         # a request's own seconds count as the tokens the step would emit in them
-        gains = sorted((sum(a) - model_sum + (request_seconds[i] * base if request_seconds else 0.0), i)
-                       for i, a in enumerate(fast_accept) if a is not None)
+        gains = sorted((sum(a) - model_sum + own[i] * base, i) for i, a in enumerate(fast_accept) if a is not None)
         order = [i for g, i in gains if g < 0]
         accept = [a or [] for a in fast_accept]
         extra = 0.0
         for m, i in enumerate(order, start=1):
             accept[i] = chain
-            extra += request_seconds[i] if request_seconds else 0.0
+            extra += own[i]
             if m & (m - 1) and m != len(order):
                 continue                   # prefixes of 1, 2, 4, ... and all: a batch weighs few
             rate = step_rate(accept, model_seconds(m, k) + extra)
